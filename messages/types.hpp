@@ -1,0 +1,284 @@
+// Message types exchanged between refit actors. Every type is default-constructible,
+// copyable and fully inspectable (0.17-style `inspect`), so any of them can cross a
+// process boundary through CAF's middleman. Protobuf stays at the child-process boundary
+// (runtime/protocol.hpp converts); these are the actor-side mirrors.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <caf/meta/type_name.hpp>
+
+namespace refit {
+
+// ------------------------------------------------------------------ runtime description
+struct worker_info {
+  std::uint32_t rank = 0;
+  std::int32_t device_index = 0;
+  std::string device_uuid;
+  std::uint64_t weight_bytes_resident = 0;
+  std::uint64_t kv_cache_bytes_resident = 0;
+  std::uint64_t weight_bytes_offloaded = 0;
+  std::uint64_t device_free_bytes = 0;
+  std::uint64_t resident_tensor_count = 0;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, worker_info& x) {
+  return f(caf::meta::type_name("worker_info"), x.rank, x.device_index, x.device_uuid,
+           x.weight_bytes_resident, x.kv_cache_bytes_resident, x.weight_bytes_offloaded,
+           x.device_free_bytes, x.resident_tensor_count);
+}
+
+struct runtime_description {
+  std::string runtime_kind;
+  std::string runtime_version;
+  std::uint32_t tp_world_size = 0;
+  std::vector<worker_info> workers;
+  std::uint32_t sleep_level = 0;
+  bool weights_awake = false;
+  bool kv_cache_awake = false;
+  std::uint64_t model_version = 0;
+  bool weights_valid = false;
+  std::uint32_t pid = 0;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, runtime_description& x) {
+  return f(caf::meta::type_name("runtime_description"), x.runtime_kind, x.runtime_version,
+           x.tp_world_size, x.workers, x.sleep_level, x.weights_awake, x.kv_cache_awake,
+           x.model_version, x.weights_valid, x.pid);
+}
+
+// ------------------------------------------------------------------ generation
+struct sampling_params {
+  std::uint32_t n = 1;
+  std::uint32_t max_tokens = 16;
+  float temperature = 1.0f;
+  std::int32_t top_k = 0;
+  float top_p = 1.0f;
+  std::uint64_t seed = 0;
+  std::vector<std::int32_t> stop_token_ids;
+  std::uint32_t max_prompt_length = 0; // 0 = no truncation
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, sampling_params& x) {
+  return f(caf::meta::type_name("sampling_params"), x.n, x.max_tokens, x.temperature, x.top_k,
+           x.top_p, x.seed, x.stop_token_ids, x.max_prompt_length);
+}
+
+struct generate_request {
+  std::vector<std::vector<std::int32_t>> prompts;
+  sampling_params params;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, generate_request& x) {
+  return f(caf::meta::type_name("generate_request"), x.prompts, x.params);
+}
+
+struct sample {
+  std::uint32_t prompt_index = 0;
+  std::vector<std::int32_t> prompt_token_ids;
+  std::vector<std::int32_t> token_ids;
+  std::vector<float> logprobs;
+  std::string finish_reason;
+  bool prompt_truncated = false;
+  std::uint64_t model_version = 0; // stamped by the RolloutEngine
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, sample& x) {
+  return f(caf::meta::type_name("sample"), x.prompt_index, x.prompt_token_ids, x.token_ids,
+           x.logprobs, x.finish_reason, x.prompt_truncated, x.model_version);
+}
+
+struct generate_result {
+  std::vector<sample> samples;
+  std::uint64_t model_version = 0;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, generate_result& x) {
+  return f(caf::meta::type_name("generate_result"), x.samples, x.model_version);
+}
+
+// ------------------------------------------------------------------ sleep / wake
+// Which parts wake_up restores. Default (both true) = all, as wake_up() without tags.
+struct wake_tags {
+  bool weights = true;
+  bool kv_cache = true;
+  static wake_tags all() { return {}; }
+  static wake_tags only_weights() { return {true, false}; }
+  static wake_tags only_kv_cache() { return {false, true}; }
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, wake_tags& x) {
+  return f(caf::meta::type_name("wake_tags"), x.weights, x.kv_cache);
+}
+
+// ------------------------------------------------------------------ weight transfer
+struct transfer_init {
+  std::string transport; // "shm" | "cuda_ipc"
+  std::uint64_t buffer_bytes = 0;
+  std::uint32_t buffer_count = 0;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, transfer_init& x) {
+  return f(caf::meta::type_name("transfer_init"), x.transport, x.buffer_bytes, x.buffer_count);
+}
+
+struct publication_header {
+  std::uint32_t protocol_version = 0;
+  std::string transport;
+  std::string publication_id;
+  std::uint64_t model_version = 0;
+  std::uint32_t tp_world_size = 0;
+  std::string manifest_fingerprint;
+  std::vector<std::string> device_uuids;
+  std::uint64_t expected_tensor_count = 0;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, publication_header& x) {
+  return f(caf::meta::type_name("publication_header"), x.protocol_version, x.transport,
+           x.publication_id, x.model_version, x.tp_world_size, x.manifest_fingerprint,
+           x.device_uuids, x.expected_tensor_count);
+}
+
+struct tensor_meta {
+  std::string name;
+  std::vector<std::int64_t> shape;
+  std::uint8_t dtype = 0; // refit::model::dtype value
+  std::uint64_t offset = 0;
+  std::uint64_t nbytes = 0;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, tensor_meta& x) {
+  return f(caf::meta::type_name("tensor_meta"), x.name, x.shape, x.dtype, x.offset, x.nbytes);
+}
+
+struct buffer_handle {
+  std::string device_uuid;
+  std::uint32_t buffer_index = 0;
+  std::string handle; // shm name or raw cudaIpcMemHandle_t bytes
+  std::uint64_t size = 0;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, buffer_handle& x) {
+  return f(caf::meta::type_name("buffer_handle"), x.device_uuid, x.buffer_index, x.handle,
+           x.size);
+}
+
+struct weight_chunk {
+  std::string publication_id;
+  std::uint32_t chunk_index = 0;
+  bool is_first = false;
+  bool is_last = false;
+  std::vector<tensor_meta> tensors;
+  std::vector<buffer_handle> handles;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, weight_chunk& x) {
+  return f(caf::meta::type_name("weight_chunk"), x.publication_id, x.chunk_index, x.is_first,
+           x.is_last, x.tensors, x.handles);
+}
+
+struct chunk_ack {
+  std::uint32_t chunk_index = 0;
+  std::uint64_t tensors_loaded = 0;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, chunk_ack& x) {
+  return f(caf::meta::type_name("chunk_ack"), x.chunk_index, x.tensors_loaded);
+}
+
+struct finish_request {
+  std::string publication_id;
+  std::uint64_t model_version = 0;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, finish_request& x) {
+  return f(caf::meta::type_name("finish_request"), x.publication_id, x.model_version);
+}
+
+struct receipt {
+  std::string publication_id;
+  std::uint64_t model_version = 0;
+  std::uint32_t tp_world_size = 0;
+  std::string manifest_fingerprint;
+  std::uint32_t tp_rank = 0;
+  std::string device_uuid;
+  std::uint64_t resident_tensor_count = 0;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, receipt& x) {
+  return f(caf::meta::type_name("receipt"), x.publication_id, x.model_version, x.tp_world_size,
+           x.manifest_fingerprint, x.tp_rank, x.device_uuid, x.resident_tensor_count);
+}
+
+struct commit_result {
+  std::string publication_id;
+  std::uint64_t model_version = 0;
+  std::vector<receipt> receipts;
+  bool prefix_cache_reset = false;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, commit_result& x) {
+  return f(caf::meta::type_name("commit_result"), x.publication_id, x.model_version,
+           x.receipts, x.prefix_cache_reset);
+}
+
+// ------------------------------------------------------------------ rollout engine status
+// Connection state of the RolloutEngine towards its runtime (the seed's IDLE/INFLIGHT/BROKEN,
+// plus DETACHED while no runtime is attached).
+enum class connection_state : std::uint8_t { detached = 0, idle = 1, inflight = 2, broken = 3 };
+const char* to_string(connection_state s);
+
+struct engine_status {
+  std::uint8_t connection = 0;       // connection_state
+  std::uint64_t incarnation = 0;     // how many runtimes this engine has had attached
+  std::uint64_t committed_version = 0;
+  bool needs_publication = false;    // weights invalid: generation refused until a commit
+  bool update_open = false;          // between start_weight_update and finish/release
+  std::uint32_t sleep_level = 0;     // 0 = awake
+  bool weights_awake = false;
+  bool kv_cache_awake = false;
+  std::string last_error;
+  connection_state conn() const { return static_cast<connection_state>(connection); }
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, engine_status& x) {
+  return f(caf::meta::type_name("engine_status"), x.connection, x.incarnation,
+           x.committed_version, x.needs_publication, x.update_open, x.sleep_level,
+           x.weights_awake, x.kv_cache_awake, x.last_error);
+}
+
+// What a rollout supervisor reports.
+struct supervisor_status {
+  std::uint64_t incarnation = 0;   // runtimes started so far
+  std::uint32_t restarts = 0;      // restarts inside the current window
+  bool running = false;            // a runtime proxy is alive
+  bool gave_up = false;            // restart budget exhausted
+  std::string last_exit;           // why the last runtime went away
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, supervisor_status& x) {
+  return f(caf::meta::type_name("supervisor_status"), x.incarnation, x.restarts, x.running,
+           x.gave_up, x.last_exit);
+}
+
+} // namespace refit
