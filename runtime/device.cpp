@@ -1,0 +1,58 @@
+#include "runtime/device.hpp"
+
+#include <cstdio>
+#include <fstream>
+#include <stdexcept>
+
+#include <openssl/sha.h>
+
+namespace refit::device {
+
+spec parse(const std::string& text, const std::string& where) {
+  auto colon = text.find(':');
+  auto bad = [&](const std::string& why) {
+    return std::invalid_argument(where + ": device '" + text + "' " + why
+                                 + " (expected cpu:N or cuda:N)");
+  };
+  if (colon == std::string::npos)
+    throw bad("has no ':'");
+  spec s;
+  auto k = text.substr(0, colon);
+  if (k == "cpu")
+    s.k = kind::cpu;
+  else if (k == "cuda")
+    s.k = kind::cuda;
+  else
+    throw bad("has unknown kind '" + k + "'");
+  auto idx = text.substr(colon + 1);
+  if (idx.empty() || idx.size() > 6 || idx.find_first_not_of("0123456789") != std::string::npos)
+    throw bad("has no valid index");
+  s.index = std::stoi(idx);
+  return s;
+}
+
+std::string to_string(const spec& s) {
+  return std::string(s.k == kind::cpu ? "cpu:" : "cuda:") + std::to_string(s.index);
+}
+
+std::string cpu_uuid(int index) {
+  std::string machine;
+  for (const char* path : {"/etc/machine-id", "/var/lib/dbus/machine-id"}) {
+    std::ifstream in(path);
+    if (in && std::getline(in, machine) && !machine.empty())
+      break;
+  }
+  if (machine.empty())
+    machine = "no-machine-id";
+  std::string key = machine + "/cpu/" + std::to_string(index);
+  unsigned char d[SHA256_DIGEST_LENGTH];
+  SHA256(reinterpret_cast<const unsigned char*>(key.data()), key.size(), d);
+  char buf[64];
+  std::snprintf(buf, sizeof(buf),
+                "CPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", d[0],
+                d[1], d[2], d[3], d[4], d[5], d[6], d[7], d[8], d[9], d[10], d[11], d[12], d[13],
+                d[14], d[15]);
+  return buf;
+}
+
+} // namespace refit::device
