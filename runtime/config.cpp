@@ -1,0 +1,589 @@
+#include "runtime/config.hpp"
+
+#include <cctype>
+#include <cerrno>
+#include <charconv>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <limits>
+#include <set>
+#include <sstream>
+#include <utility>
+
+#include <yaml-cpp/yaml.h>
+
+#include "runtime/device.hpp"
+
+namespace refit::config {
+namespace {
+
+// ---------------------------------------------------------------------------------------
+// Tables shared by parsing and validation
+// ---------------------------------------------------------------------------------------
+
+struct timeout_field {
+  const char* name;
+  std::uint32_t timeouts::*member;
+};
+
+const std::vector<timeout_field>& timeout_fields() {
+  static const std::vector<timeout_field> fields = {
+    {"describe", &timeouts::describe},
+    {"generate", &timeouts::generate},
+    {"sleep", &timeouts::sleep},
+    {"wake_up", &timeouts::wake_up},
+    {"init_weight_transfer", &timeouts::init_weight_transfer},
+    {"start_weight_update", &timeouts::start_weight_update},
+    {"update_weights", &timeouts::update_weights},
+    {"finish_weight_update", &timeouts::finish_weight_update},
+    {"release_ipc", &timeouts::release_ipc},
+    {"reset_prefix_cache", &timeouts::reset_prefix_cache},
+    {"shutdown", &timeouts::shutdown},
+    {"startup", &timeouts::startup},
+  };
+  return fields;
+}
+
+const std::vector<std::string> fault_commands = {
+  "describe",       "generate",           "sleep",          "wake_up",
+  "init_weight_transfer", "start_weight_update", "update_weights", "finish_weight_update",
+  "release_ipc",    "reset_prefix_cache", "shutdown",
+};
+
+const std::vector<std::string> fault_kinds = {
+  "stall",    "exit",          "sigkill",      "error",         "bad_frame",
+  "wrong_id", "wrong_command", "wrong_result", "wrong_version",
+};
+
+constexpr std::uint32_t timeout_min_ms = 1;
+constexpr std::uint32_t timeout_max_ms = 3600000;
+constexpr std::uint32_t kill_grace_max_ms = 60000;
+constexpr std::uint64_t frame_bytes_min = 4096;
+constexpr std::uint64_t frame_bytes_max = std::uint64_t{1} << 30;
+constexpr std::uint64_t kv_cache_bytes_min = 4096;
+
+std::string join(const std::vector<std::string>& items) {
+  std::string out;
+  for (const auto& item : items)
+    out += (out.empty() ? "" : ", ") + item;
+  return out;
+}
+
+std::string child_path(const std::string& parent, const std::string& name) {
+  return parent.empty() ? name : parent + "." + name;
+}
+
+std::string index_path(const std::string& parent, std::size_t index) {
+  return parent + "[" + std::to_string(index) + "]";
+}
+
+// `what()` of model_error / device::parse errors starts with "<where>: "; drop it so the
+// config_error does not repeat its key.
+std::string without_prefix(const std::string& what, const std::string& where) {
+  const std::string prefix = where + ": ";
+  return what.compare(0, prefix.size(), prefix) == 0 ? what.substr(prefix.size()) : what;
+}
+
+// ---------------------------------------------------------------------------------------
+// Scalar text
+// ---------------------------------------------------------------------------------------
+
+std::string format_double(double value) {
+  // Shortest %g form that reads back to the same double (at most 17 significant digits).
+  char buf[40];
+  for (int precision = 1; precision <= 17; ++precision) {
+    std::snprintf(buf, sizeof(buf), "%.*g", precision, value);
+    if (std::strtod(buf, nullptr) == value)
+      break;
+  }
+  return buf;
+}
+
+// A YAML scalar that reads back as `text` inside a flow map: plain when it is a simple
+// name, double-quoted (with escapes) otherwise.
+std::string quote_if_needed(const std::string& text) {
+  const bool simple_name =
+    !text.empty() && (std::isalpha(static_cast<unsigned char>(text[0])) || text[0] == '_')
+    && text.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
+         == std::string::npos
+    && text != "null" && text != "Null" && text != "NULL";
+  if (simple_name)
+    return text;
+  std::string out = "\"";
+  for (char c : text) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) {
+      char escape[8];
+      std::snprintf(escape, sizeof(escape), "\\x%02x", static_cast<unsigned char>(c));
+      out += escape;
+    } else {
+      out += c;
+    }
+  }
+  return out + "\"";
+}
+
+// ---------------------------------------------------------------------------------------
+// Strict reader over a YAML tree: every error names the full key path, the offending value
+// and where in the source it was.
+// ---------------------------------------------------------------------------------------
+
+const char* describe_kind(const YAML::Node& node) {
+  switch (node.Type()) {
+    case YAML::NodeType::Map: return "a map";
+    case YAML::NodeType::Sequence: return "a sequence";
+    case YAML::NodeType::Null: return "an empty value";
+    default: return "a scalar";
+  }
+}
+
+class yaml_reader {
+public:
+  // One key of a map: how to read its value, and whether it must be present.
+  struct field {
+    std::string name;
+    std::function<void(const YAML::Node& value, const std::string& path)> read;
+    bool required = false;
+  };
+
+  explicit yaml_reader(std::string origin) : origin_(std::move(origin)) {}
+
+  [[noreturn]] void fail(const std::string& key, const YAML::Node& at,
+                         const std::string& what) const {
+    throw config_error(key, what + location(at.Mark()));
+  }
+
+  // " (at origin:line:column)" for a key read by this reader, " (in origin)" otherwise.
+  std::string locate(const std::string& key) const {
+    auto it = marks_.find(key);
+    return it == marks_.end() ? " (in " + origin_ + ")" : location(it->second);
+  }
+
+  void read_map(const YAML::Node& node, const std::string& path,
+                const std::vector<field>& fields) {
+    if (!node.IsMap())
+      fail(path, node, std::string("expected a map, got ") + describe_kind(node));
+    std::set<std::string> seen;
+    for (const auto& entry : node) {
+      const YAML::Node& key = entry.first;
+      if (!key.IsScalar())
+        fail(path, key, std::string("map keys must be names, got ") + describe_kind(key));
+      const std::string name = key.Scalar();
+      const std::string key_path = child_path(path, name);
+      const field* match = nullptr;
+      for (const auto& f : fields)
+        if (f.name == name)
+          match = &f;
+      if (match == nullptr)
+        fail(key_path, key, "unknown key (known keys: " + known_names(fields) + ")");
+      if (!seen.insert(name).second)
+        fail(key_path, key, "duplicate key");
+      marks_[key_path] = entry.second.Mark();
+      match->read(entry.second, key_path);
+    }
+    for (const auto& f : fields)
+      if (f.required && seen.count(f.name) == 0)
+        fail(child_path(path, f.name), node, "required key is missing");
+  }
+
+  template <class Fn>
+  void read_sequence(const YAML::Node& node, const std::string& path, Fn&& read_element) {
+    if (!node.IsSequence())
+      fail(path, node, std::string("expected a sequence, got ") + describe_kind(node));
+    for (std::size_t i = 0; i < node.size(); ++i) {
+      const std::string element_path = index_path(path, i);
+      marks_[element_path] = node[i].Mark();
+      read_element(node[i], element_path);
+    }
+  }
+
+  std::string string(const YAML::Node& node, const std::string& path) const {
+    if (!node.IsScalar())
+      fail(path, node, std::string("expected a string, got ") + describe_kind(node));
+    return node.Scalar();
+  }
+
+  std::uint64_t unsigned_integer(const YAML::Node& node, const std::string& path,
+                                 std::uint64_t max) const {
+    const std::string text = plain_scalar(node, path, "an unsigned integer");
+    if (!text.empty() && text[0] == '-')
+      fail(path, node, "expected an unsigned integer, got '" + text + "' (negative)");
+    if (text.empty() || text.find_first_not_of("0123456789") != std::string::npos)
+      fail(path, node, "expected an unsigned integer, got '" + text + "'");
+    std::uint64_t value = 0;
+    const auto result = std::from_chars(text.data(), text.data() + text.size(), value);
+    if (result.ec == std::errc::result_out_of_range || value > max)
+      fail(path, node, "'" + text + "' is too large (maximum " + std::to_string(max) + ")");
+    return value;
+  }
+
+  std::uint32_t u32(const YAML::Node& node, const std::string& path) const {
+    return static_cast<std::uint32_t>(
+      unsigned_integer(node, path, std::numeric_limits<std::uint32_t>::max()));
+  }
+
+  std::uint64_t u64(const YAML::Node& node, const std::string& path) const {
+    return unsigned_integer(node, path, std::numeric_limits<std::uint64_t>::max());
+  }
+
+  bool boolean(const YAML::Node& node, const std::string& path) const {
+    const std::string text = plain_scalar(node, path, "true or false");
+    if (text == "true")
+      return true;
+    if (text == "false")
+      return false;
+    fail(path, node, "expected true or false, got '" + text + "'");
+  }
+
+  double number(const YAML::Node& node, const std::string& path) const {
+    const std::string text = plain_scalar(node, path, "a number");
+    double value = 0;
+    const char* first = text.data();
+    const char* last = text.data() + text.size();
+    const auto [end, ec] = std::from_chars(first, last, value, std::chars_format::general);
+    if (ec != std::errc() || end != last || !std::isfinite(value))
+      fail(path, node, "expected a finite number, got '" + text + "'");
+    return value;
+  }
+
+private:
+  // Numbers and booleans must be plain (unquoted) scalars: "2" in quotes is a string.
+  std::string plain_scalar(const YAML::Node& node, const std::string& path,
+                           const std::string& expected) const {
+    if (!node.IsScalar())
+      fail(path, node, "expected " + expected + ", got " + describe_kind(node));
+    if (node.Tag() == "!")
+      fail(path, node, "expected " + expected + ", got the quoted string '" + node.Scalar() + "'");
+    return node.Scalar();
+  }
+
+  std::string location(const YAML::Mark& mark) const {
+    if (mark.is_null())
+      return " (in " + origin_ + ")";
+    return " (at " + origin_ + ":" + std::to_string(mark.line + 1) + ":"
+           + std::to_string(mark.column + 1) + ")";
+  }
+
+  static std::string known_names(const std::vector<field>& fields) {
+    std::vector<std::string> names;
+    for (const auto& f : fields)
+      names.push_back(f.name);
+    return join(names);
+  }
+
+  std::string origin_;
+  std::map<std::string, YAML::Mark> marks_; // key path -> where its value starts
+};
+
+YAML::Node load_document(const std::string& text, const std::string& origin) {
+  std::vector<YAML::Node> documents;
+  try {
+    documents = YAML::LoadAll(text);
+  } catch (const YAML::ParserException& e) {
+    throw config_error("", origin + ":" + std::to_string(e.mark.line + 1) + ":"
+                             + std::to_string(e.mark.column + 1)
+                             + ": invalid YAML: " + e.msg);
+  }
+  if (documents.size() > 1)
+    throw config_error("", origin + ": expected one YAML document, found "
+                             + std::to_string(documents.size()));
+  if (documents.empty() || documents[0].IsNull())
+    throw config_error("", origin + ": the document is empty");
+  return documents[0];
+}
+
+// ---------------------------------------------------------------------------------------
+// Sections
+// ---------------------------------------------------------------------------------------
+
+using field = yaml_reader::field;
+
+void read_model(yaml_reader& r, const YAML::Node& node, const std::string& path,
+                model::model_config& m) {
+  auto u32_field = [&](const char* name, std::uint32_t& target) {
+    return field{name, [&r, &target](const YAML::Node& v, const std::string& p) {
+                   target = r.u32(v, p);
+                 }, true};
+  };
+  auto bool_field = [&](const char* name, bool& target) {
+    return field{name, [&r, &target](const YAML::Node& v, const std::string& p) {
+                   target = r.boolean(v, p);
+                 }};
+  };
+  auto double_field = [&](const char* name, double& target) {
+    return field{name, [&r, &target](const YAML::Node& v, const std::string& p) {
+                   target = r.number(v, p);
+                 }};
+  };
+  auto string_field = [&](const char* name, std::string& target) {
+    return field{name, [&r, &target](const YAML::Node& v, const std::string& p) {
+                   target = r.string(v, p);
+                 }};
+  };
+  r.read_map(node, path, {
+    string_field("model_type", m.model_type),
+    u32_field("num_hidden_layers", m.num_hidden_layers),
+    u32_field("hidden_size", m.hidden_size),
+    u32_field("num_attention_heads", m.num_attention_heads),
+    u32_field("num_key_value_heads", m.num_key_value_heads),
+    u32_field("head_dim", m.head_dim),
+    u32_field("num_experts", m.num_experts),
+    u32_field("num_experts_per_tok", m.num_experts_per_tok),
+    u32_field("moe_intermediate_size", m.moe_intermediate_size),
+    u32_field("vocab_size", m.vocab_size),
+    bool_field("tie_word_embeddings", m.tie_word_embeddings),
+    double_field("rms_norm_eps", m.rms_norm_eps),
+    double_field("rope_theta", m.rope_theta),
+    bool_field("norm_topk_prob", m.norm_topk_prob),
+    field{"torch_dtype",
+          [&r, &m](const YAML::Node& v, const std::string& p) {
+            const std::string text = r.string(v, p);
+            try {
+              m.torch_dtype = model::parse_dtype(text, p);
+            } catch (const model::model_error& e) {
+              r.fail(p, v, without_prefix(e.what(), e.where));
+            }
+          }},
+    string_field("quantization", m.quantization),
+    bool_field("lora", m.lora),
+  });
+}
+
+void read_timeouts(yaml_reader& r, const YAML::Node& node, const std::string& path,
+                   timeouts& t) {
+  std::vector<field> fields;
+  for (const auto& tf : timeout_fields())
+    fields.push_back({tf.name, [&r, &t, member = tf.member](const YAML::Node& v,
+                                                            const std::string& p) {
+                        t.*member = r.u32(v, p);
+                      }});
+  r.read_map(node, path, fields);
+}
+
+void read_fault(yaml_reader& r, const YAML::Node& node, const std::string& path,
+                runtime_fault& f) {
+  r.read_map(node, path, {
+    {"command", [&](const YAML::Node& v, const std::string& p) { f.command = r.string(v, p); },
+     true},
+    {"kind", [&](const YAML::Node& v, const std::string& p) { f.kind = r.string(v, p); }, true},
+    {"after", [&](const YAML::Node& v, const std::string& p) { f.after = r.u32(v, p); }},
+  });
+}
+
+void read_runtime(yaml_reader& r, const YAML::Node& node, const std::string& path,
+                  runtime_config& rt) {
+  r.read_map(node, path, {
+    {"executable",
+     [&](const YAML::Node& v, const std::string& p) { rt.executable = r.string(v, p); }},
+    {"tp_size", [&](const YAML::Node& v, const std::string& p) { rt.tp_size = r.u32(v, p); }},
+    {"devices",
+     [&](const YAML::Node& v, const std::string& p) {
+       rt.devices.clear();
+       r.read_sequence(v, p, [&](const YAML::Node& element, const std::string& element_path) {
+         rt.devices.push_back(r.string(element, element_path));
+       });
+     }},
+    {"kv_cache_bytes",
+     [&](const YAML::Node& v, const std::string& p) { rt.kv_cache_bytes = r.u64(v, p); }},
+    {"max_frame_bytes",
+     [&](const YAML::Node& v, const std::string& p) { rt.max_frame_bytes = r.u64(v, p); }},
+    {"kill_grace_ms",
+     [&](const YAML::Node& v, const std::string& p) { rt.kill_grace_ms = r.u32(v, p); }},
+    {"timeouts_ms",
+     [&](const YAML::Node& v, const std::string& p) { read_timeouts(r, v, p, rt.timeouts_ms); }},
+    {"faults",
+     [&](const YAML::Node& v, const std::string& p) {
+       rt.faults.clear();
+       r.read_sequence(v, p, [&](const YAML::Node& element, const std::string& element_path) {
+         read_fault(r, element, element_path, rt.faults.emplace_back());
+       });
+     }},
+  });
+}
+
+void read_supervisor(yaml_reader& r, const YAML::Node& node, const std::string& path,
+                     supervisor_config& s) {
+  r.read_map(node, path, {
+    {"max_restarts",
+     [&](const YAML::Node& v, const std::string& p) { s.max_restarts = r.u32(v, p); }},
+    {"backoff_initial_ms",
+     [&](const YAML::Node& v, const std::string& p) { s.backoff_initial_ms = r.u32(v, p); }},
+    {"backoff_max_ms",
+     [&](const YAML::Node& v, const std::string& p) { s.backoff_max_ms = r.u32(v, p); }},
+    {"restart_window_ms",
+     [&](const YAML::Node& v, const std::string& p) { s.restart_window_ms = r.u32(v, p); }},
+  });
+}
+
+void read_job(yaml_reader& r, const YAML::Node& node, const std::string& path, job_config& j) {
+  r.read_map(node, path, {
+    {"iterations",
+     [&](const YAML::Node& v, const std::string& p) { j.iterations = r.u32(v, p); }},
+    {"seed", [&](const YAML::Node& v, const std::string& p) { j.seed = r.u64(v, p); }},
+  });
+}
+
+// ---------------------------------------------------------------------------------------
+// Validation
+// ---------------------------------------------------------------------------------------
+
+// Returns the text appended to an error about `key` (where it came from), or "".
+using locator = std::function<std::string(const std::string& key)>;
+
+void validate_config(const refit_config& cfg, const locator& locate) {
+  auto fail = [&](const std::string& key, const std::string& what) {
+    throw config_error(key, what + locate(key));
+  };
+  auto check_range = [&](const std::string& key, std::uint64_t value, std::uint64_t min,
+                         std::uint64_t max) {
+    if (value < min || value > max)
+      fail(key, std::to_string(value) + " is out of range [" + std::to_string(min) + ", "
+                  + std::to_string(max) + "]");
+  };
+  auto check_at_least = [&](const std::string& key, std::uint64_t value, std::uint64_t min) {
+    if (value < min)
+      fail(key, std::to_string(value) + " is too small (minimum " + std::to_string(min) + ")");
+  };
+  auto check_one_of = [&](const std::string& key, const std::string& value,
+                          const std::vector<std::string>& allowed) {
+    for (const auto& a : allowed)
+      if (a == value)
+        return;
+    fail(key, "'" + value + "' is not one of " + join(allowed));
+  };
+
+  const runtime_config& rt = cfg.runtime;
+  if (rt.executable.empty())
+    fail("runtime.executable", "must not be empty");
+  check_at_least("runtime.tp_size", rt.tp_size, 1);
+  if (rt.devices.size() != rt.tp_size)
+    fail("runtime.devices", "lists " + std::to_string(rt.devices.size())
+                              + " devices but runtime.tp_size is "
+                              + std::to_string(rt.tp_size) + " (one device per TP worker)");
+  std::vector<device::spec> devices;
+  for (std::size_t i = 0; i < rt.devices.size(); ++i) {
+    const std::string key = index_path("runtime.devices", i);
+    device::spec parsed;
+    try {
+      parsed = device::parse(rt.devices[i], key);
+    } catch (const std::invalid_argument& e) {
+      fail(key, without_prefix(e.what(), key));
+    }
+    for (std::size_t j = 0; j < devices.size(); ++j)
+      if (devices[j].k == parsed.k && devices[j].index == parsed.index)
+        fail(key, "device '" + rt.devices[i] + "' is already used by runtime.devices["
+                    + std::to_string(j) + "]");
+    devices.push_back(parsed);
+  }
+  check_at_least("runtime.kv_cache_bytes", rt.kv_cache_bytes, kv_cache_bytes_min);
+  check_range("runtime.max_frame_bytes", rt.max_frame_bytes, frame_bytes_min, frame_bytes_max);
+  check_range("runtime.kill_grace_ms", rt.kill_grace_ms, 0, kill_grace_max_ms);
+  for (const auto& tf : timeout_fields())
+    check_range(std::string("runtime.timeouts_ms.") + tf.name, rt.timeouts_ms.*tf.member,
+                timeout_min_ms, timeout_max_ms);
+  for (std::size_t i = 0; i < rt.faults.size(); ++i) {
+    const std::string key = index_path("runtime.faults", i);
+    check_one_of(key + ".command", rt.faults[i].command, fault_commands);
+    check_one_of(key + ".kind", rt.faults[i].kind, fault_kinds);
+  }
+
+  const supervisor_config& sv = cfg.supervisor;
+  if (sv.backoff_initial_ms > sv.backoff_max_ms)
+    fail("supervisor.backoff_initial_ms",
+         std::to_string(sv.backoff_initial_ms) + " exceeds supervisor.backoff_max_ms ("
+           + std::to_string(sv.backoff_max_ms) + ")");
+
+  check_at_least("job.iterations", cfg.job.iterations, 1);
+
+  try {
+    model::validate(cfg.model, rt.tp_size);
+  } catch (const model::model_error& e) {
+    fail(e.where, without_prefix(e.what(), e.where));
+  }
+}
+
+} // namespace
+
+// ---------------------------------------------------------------------------------------
+// Public API
+// ---------------------------------------------------------------------------------------
+
+refit_config parse_yaml(const std::string& text, const std::string& origin) {
+  const YAML::Node root = load_document(text, origin);
+  yaml_reader r(origin);
+  refit_config cfg;
+  r.read_map(root, "", {
+    {"model", [&](const YAML::Node& v, const std::string& p) { read_model(r, v, p, cfg.model); },
+     true},
+    {"runtime",
+     [&](const YAML::Node& v, const std::string& p) { read_runtime(r, v, p, cfg.runtime); }},
+    {"supervisor",
+     [&](const YAML::Node& v, const std::string& p) { read_supervisor(r, v, p, cfg.supervisor); }},
+    {"job", [&](const YAML::Node& v, const std::string& p) { read_job(r, v, p, cfg.job); }},
+  });
+  validate_config(cfg, [&r](const std::string& key) { return r.locate(key); });
+  return cfg;
+}
+
+refit_config load_file(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    throw config_error("", "cannot read config file '" + path + "': it is a directory");
+  std::ifstream in(path, std::ios::binary);
+  if (!in)
+    throw config_error("", "cannot open config file '" + path + "': " + std::strerror(errno));
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad())
+    throw config_error("", "cannot read config file '" + path + "'");
+  return parse_yaml(text.str(), path);
+}
+
+void validate(const refit_config& cfg) {
+  validate_config(cfg, [](const std::string&) { return std::string(); });
+}
+
+model::model_config parse_model_yaml(const std::string& text, const std::string& origin) {
+  const YAML::Node root = load_document(text, origin);
+  yaml_reader r(origin);
+  model::model_config m;
+  read_model(r, root, "model", m);
+  return m;
+}
+
+std::string model_to_yaml(const model::model_config& m) {
+  auto u = [](std::uint32_t v) { return std::to_string(v); };
+  auto b = [](bool v) { return std::string(v ? "true" : "false"); };
+  const std::vector<std::pair<const char*, std::string>> entries = {
+    {"model_type", quote_if_needed(m.model_type)},
+    {"num_hidden_layers", u(m.num_hidden_layers)},
+    {"hidden_size", u(m.hidden_size)},
+    {"num_attention_heads", u(m.num_attention_heads)},
+    {"num_key_value_heads", u(m.num_key_value_heads)},
+    {"head_dim", u(m.head_dim)},
+    {"num_experts", u(m.num_experts)},
+    {"num_experts_per_tok", u(m.num_experts_per_tok)},
+    {"moe_intermediate_size", u(m.moe_intermediate_size)},
+    {"vocab_size", u(m.vocab_size)},
+    {"tie_word_embeddings", b(m.tie_word_embeddings)},
+    {"rms_norm_eps", format_double(m.rms_norm_eps)},
+    {"rope_theta", format_double(m.rope_theta)},
+    {"norm_topk_prob", b(m.norm_topk_prob)},
+    {"torch_dtype", model::dtype_name(m.torch_dtype)},
+    {"quantization", quote_if_needed(m.quantization)},
+    {"lora", b(m.lora)},
+  };
+  std::string out = "{";
+  for (const auto& [key, value] : entries)
+    out += (out.size() > 1 ? ", " : "") + std::string(key) + ": " + value;
+  return out + "}";
+}
+
+} // namespace refit::config

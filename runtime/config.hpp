@@ -1,0 +1,96 @@
+// Typed refit configuration, parsed from YAML recipes in configs/.
+//
+// Every key is known: an unknown key, a wrong type or an out-of-range value is a
+// config_error whose `key` is the full dotted path (e.g. "runtime.timeouts_ms.sleep")
+// and whose message says what was wrong with which value.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "runtime/model/qwen3_moe.hpp"
+
+namespace refit::config {
+
+struct config_error : std::runtime_error {
+  config_error(std::string key, const std::string& what)
+    : std::runtime_error(key.empty() ? what : key + ": " + what), key(std::move(key)) {}
+  std::string key;
+};
+
+// Per-command timeouts of the runtime control protocol (milliseconds).
+struct timeouts {
+  std::uint32_t describe = 10000;
+  std::uint32_t generate = 120000;
+  std::uint32_t sleep = 30000;
+  std::uint32_t wake_up = 30000;
+  std::uint32_t init_weight_transfer = 30000;
+  std::uint32_t start_weight_update = 30000;
+  std::uint32_t update_weights = 60000;
+  std::uint32_t finish_weight_update = 60000;
+  std::uint32_t release_ipc = 30000;
+  std::uint32_t reset_prefix_cache = 10000;
+  std::uint32_t shutdown = 10000;
+  std::uint32_t startup = 30000; // spawn -> first describe answered
+};
+
+// A test-only fault the child runtime applies to one command (see refit-runtime --fault).
+struct runtime_fault {
+  std::string command; // describe, generate, sleep, wake_up, ..., shutdown
+  std::string kind;    // stall | exit | sigkill | error | bad_frame | wrong_id | wrong_command | wrong_result | wrong_version
+  std::uint32_t after = 0; // apply on the (after+1)-th occurrence of the command
+};
+
+struct runtime_config {
+  std::string executable = "refit-runtime"; // relative: resolved next to the calling binary
+  std::uint32_t tp_size = 1;
+  std::vector<std::string> devices = {"cpu:0"}; // one per TP worker, in TP rank order
+  std::uint64_t kv_cache_bytes = 4u << 20;      // per worker
+  std::uint64_t max_frame_bytes = 64u << 20;
+  std::uint32_t kill_grace_ms = 2000;           // SIGTERM -> SIGKILL
+  timeouts timeouts_ms;
+  std::vector<runtime_fault> faults;            // test-only
+};
+
+struct supervisor_config {
+  std::uint32_t max_restarts = 3;
+  std::uint32_t backoff_initial_ms = 100;
+  std::uint32_t backoff_max_ms = 5000;
+  std::uint32_t restart_window_ms = 60000; // restarts older than this are forgiven
+};
+
+struct job_config {
+  std::uint32_t iterations = 3;
+  std::uint64_t seed = 1234;
+};
+
+struct refit_config {
+  model::model_config model;
+  runtime_config runtime;
+  supervisor_config supervisor;
+  job_config job;
+};
+
+// Parses YAML text. `origin` (file name or "<embedded>") prefixes error messages.
+refit_config parse_yaml(const std::string& text, const std::string& origin = "<string>");
+refit_config load_file(const std::string& path);
+
+// Cross-field checks (tp_size == devices.size(), model valid for tp, ...). parse_yaml
+// calls it; exposed for configs built in code.
+void validate(const refit_config& cfg);
+
+// The `model:` section alone (also how refit-runtime receives its model on the command
+// line): parse from YAML text whose top level is the model map, and render back.
+model::model_config parse_model_yaml(const std::string& text, const std::string& origin);
+std::string model_to_yaml(const model::model_config& m);
+
+// The embedded default (configs/tiny-cpu.yaml, compiled in).
+const std::string& embedded_default_yaml();
+
+inline std::chrono::milliseconds ms(std::uint32_t v) { return std::chrono::milliseconds(v); }
+
+} // namespace refit::config
