@@ -1,0 +1,193 @@
+#include "runtime/child/device_memory.hpp"
+
+#include <cerrno>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+#include <sys/mman.h>
+#include <system_error>
+#include <unistd.h>
+
+namespace refit::child {
+
+namespace {
+
+[[noreturn]] void throw_errno(int err, const std::string& what) {
+  throw std::system_error(err, std::generic_category(), what);
+}
+
+// MemAvailable from /proc/meminfo, in bytes.
+std::uint64_t mem_available_bytes() {
+  std::ifstream in("/proc/meminfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("MemAvailable:", 0) == 0) {
+      std::istringstream fields(line.substr(13));
+      std::uint64_t kb = 0;
+      if (fields >> kb)
+        return kb * 1024;
+      break;
+    }
+  }
+  throw std::runtime_error("cannot read MemAvailable from /proc/meminfo");
+}
+
+class cpu_memory final : public device_memory {
+public:
+  explicit cpu_memory(device::spec device)
+    : device_memory(device), page_bytes_(static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE))) {}
+
+  device_buffer alloc(std::uint64_t bytes, const std::string& what) override {
+    if (bytes == 0)
+      throw std::invalid_argument(device::to_string(device()) + ": zero-byte allocation for "
+                                  + what);
+    void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+      throw_errno(errno, device::to_string(device()) + ": cannot allocate "
+                           + std::to_string(bytes) + " bytes for " + what);
+    // Touch every page so the memory is resident now (fresh anonymous pages read as zero).
+    auto* data = static_cast<std::byte*>(p);
+    for (std::uint64_t offset = 0; offset < bytes; offset += page_bytes_)
+      *static_cast<volatile std::byte*>(data + offset) = std::byte{0};
+    return device_buffer(*this, data, bytes);
+  }
+
+  std::uint64_t free_bytes() const override { return mem_available_bytes(); }
+
+  std::string uuid() const override { return device::cpu_uuid(device().index); }
+
+  host_backup offload(const device_buffer& src, const std::string& what) override {
+    auto backup = host_backup::create(device::to_string(device()) + " " + what, src.size());
+    backup.write(0, src.data(), src.size());
+    return backup;
+  }
+
+  void restore(const host_backup& src, const device_buffer& dst) override {
+    if (src.size() != dst.size())
+      throw std::logic_error(device::to_string(device()) + ": host backup of "
+                             + std::to_string(src.size()) + " bytes cannot restore a buffer of "
+                             + std::to_string(dst.size()) + " bytes");
+    src.read(0, dst.data(), dst.size());
+  }
+
+private:
+  void free(std::byte* data, std::uint64_t bytes) noexcept override { ::munmap(data, bytes); }
+
+  std::uint64_t page_bytes_;
+};
+
+} // namespace
+
+device_buffer::device_buffer(device_buffer&& other) noexcept
+  : owner_(other.owner_), data_(other.data_), bytes_(other.bytes_) {
+  other.owner_ = nullptr;
+  other.data_ = nullptr;
+  other.bytes_ = 0;
+}
+
+device_buffer& device_buffer::operator=(device_buffer&& other) noexcept {
+  if (this != &other) {
+    reset();
+    owner_ = other.owner_;
+    data_ = other.data_;
+    bytes_ = other.bytes_;
+    other.owner_ = nullptr;
+    other.data_ = nullptr;
+    other.bytes_ = 0;
+  }
+  return *this;
+}
+
+void device_buffer::reset() {
+  if (data_ != nullptr)
+    owner_->free(data_, bytes_);
+  owner_ = nullptr;
+  data_ = nullptr;
+  bytes_ = 0;
+}
+
+host_backup host_backup::create(const std::string& label, std::uint64_t bytes) {
+  int fd = ::memfd_create("refit-host-backup", MFD_CLOEXEC);
+  if (fd < 0)
+    throw_errno(errno, "host backup for " + label + ": memfd_create");
+  if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+    int err = errno;
+    ::close(fd);
+    throw_errno(err, "host backup for " + label + ": cannot size it to "
+                       + std::to_string(bytes) + " bytes");
+  }
+  return host_backup(fd, label, bytes);
+}
+
+host_backup::host_backup(host_backup&& other) noexcept
+  : fd_(other.fd_), label_(std::move(other.label_)), bytes_(other.bytes_) {
+  other.fd_ = -1;
+  other.bytes_ = 0;
+}
+
+host_backup& host_backup::operator=(host_backup&& other) noexcept {
+  if (this != &other) {
+    reset();
+    fd_ = other.fd_;
+    label_ = std::move(other.label_);
+    bytes_ = other.bytes_;
+    other.fd_ = -1;
+    other.bytes_ = 0;
+  }
+  return *this;
+}
+
+void host_backup::reset() {
+  if (fd_ >= 0)
+    ::close(fd_);
+  fd_ = -1;
+  label_.clear();
+  bytes_ = 0;
+}
+
+void host_backup::write(std::uint64_t offset, const std::byte* src, std::uint64_t count) {
+  if (offset + count > bytes_)
+    throw std::out_of_range("host backup for " + label_ + ": write of " + std::to_string(count)
+                            + " bytes at " + std::to_string(offset) + " exceeds its "
+                            + std::to_string(bytes_) + " bytes");
+  std::uint64_t done = 0;
+  while (done < count) {
+    ssize_t n = ::pwrite(fd_, src + done, count - done, static_cast<off_t>(offset + done));
+    if (n < 0 && errno == EINTR)
+      continue;
+    if (n <= 0)
+      throw_errno(n < 0 ? errno : EIO, "host backup for " + label_ + ": write at byte "
+                                          + std::to_string(offset + done));
+    done += static_cast<std::uint64_t>(n);
+  }
+}
+
+void host_backup::read(std::uint64_t offset, std::byte* dst, std::uint64_t count) const {
+  if (offset + count > bytes_)
+    throw std::out_of_range("host backup for " + label_ + ": read of " + std::to_string(count)
+                            + " bytes at " + std::to_string(offset) + " exceeds its "
+                            + std::to_string(bytes_) + " bytes");
+  std::uint64_t done = 0;
+  while (done < count) {
+    ssize_t n = ::pread(fd_, dst + done, count - done, static_cast<off_t>(offset + done));
+    if (n < 0 && errno == EINTR)
+      continue;
+    if (n <= 0)
+      throw_errno(n < 0 ? errno : EIO, "host backup for " + label_ + ": read at byte "
+                                          + std::to_string(offset + done));
+    done += static_cast<std::uint64_t>(n);
+  }
+}
+
+void require_supported(const device::spec& device) {
+  if (device.k == device::kind::cuda)
+    throw std::invalid_argument(device::to_string(device)
+                                + ": CUDA devices need a build with REFIT_CUDA=ON");
+}
+
+std::unique_ptr<device_memory> open_device_memory(const device::spec& device) {
+  require_supported(device);
+  return std::make_unique<cpu_memory>(device);
+}
+
+} // namespace refit::child

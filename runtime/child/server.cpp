@@ -1,0 +1,515 @@
+#include "runtime/child/server.hpp"
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <csignal>
+#include <cstring>
+#include <stdexcept>
+#include <sys/socket.h>
+#include <thread>
+#include <unistd.h>
+
+#include "runtime/framing.hpp"
+#include "runtime/protocol.hpp"
+#include "runtime/protocol_version.hpp"
+
+namespace refit::child {
+
+namespace {
+
+std::string command_name(pb::Command command) { return protocol::command_name(command); }
+
+constexpr const char* runtime_kind = "refit-runtime";
+constexpr const char* runtime_version = "0.1.0";
+constexpr std::uint32_t wrong_protocol_version = 99;
+constexpr int fault_exit_code = 3;
+constexpr auto write_timeout = std::chrono::seconds(30);
+
+// A command that fails with a protocol error code; `where` names the field or component.
+struct command_error : std::runtime_error {
+  command_error(pb::ErrorCode code, std::string where, const std::string& message)
+    : std::runtime_error(message), code(code), where(std::move(where)) {}
+  pb::ErrorCode code;
+  std::string where;
+};
+
+// A worker job that threw; `where` is "worker[rank]".
+struct worker_failure : std::runtime_error {
+  worker_failure(std::uint32_t rank, const std::string& message)
+    : std::runtime_error("TP worker " + std::to_string(rank) + ": " + message),
+      where("worker[" + std::to_string(rank) + "]") {}
+  std::string where;
+};
+
+std::string payload_name(pb::Request::PayloadCase payload) {
+  if (payload == pb::Request::PAYLOAD_NOT_SET)
+    return "none";
+  return pb::Request::descriptor()->FindFieldByNumber(payload)->name();
+}
+
+// Sets the (empty) result case that belongs to `command`; used by faults, which answer
+// without running the command.
+void set_empty_result(pb::Response& response, pb::Command command) {
+  const auto* field = pb::Response::descriptor()->FindFieldByNumber(
+    protocol::result_case_for(command));
+  response.GetReflection()->MutableMessage(&response, field);
+}
+
+// A command other than `command` (for the wrong_command / wrong_result faults).
+pb::Command other_command(pb::Command command) {
+  return command == pb::COMMAND_DESCRIBE ? pb::COMMAND_SHUTDOWN : pb::COMMAND_DESCRIBE;
+}
+
+pb::Response envelope(std::uint64_t request_id, pb::Command command) {
+  pb::Response response;
+  response.set_protocol_version(wire::protocol_version);
+  response.set_request_id(request_id);
+  response.set_command(command);
+  return response;
+}
+
+void set_error(pb::Response& response, pb::ErrorCode code, const std::string& where,
+               const std::string& message) {
+  response.clear_result();
+  response.set_ok(false);
+  auto* error = response.mutable_error();
+  error->set_code(code);
+  error->set_where(where);
+  error->set_message(message);
+}
+
+const char* fault_kind_name(fault_kind kind) {
+  switch (kind) {
+    case fault_kind::stall: return "stall";
+    case fault_kind::exit: return "exit";
+    case fault_kind::sigkill: return "sigkill";
+    case fault_kind::error: return "error";
+    case fault_kind::bad_frame: return "bad_frame";
+    case fault_kind::wrong_id: return "wrong_id";
+    case fault_kind::wrong_command: return "wrong_command";
+    case fault_kind::wrong_result: return "wrong_result";
+    case fault_kind::wrong_version: return "wrong_version";
+  }
+  return "unknown";
+}
+
+constexpr fault_kind all_fault_kinds[] = {
+  fault_kind::stall,    fault_kind::exit,          fault_kind::sigkill,
+  fault_kind::error,    fault_kind::bad_frame,     fault_kind::wrong_id,
+  fault_kind::wrong_command, fault_kind::wrong_result, fault_kind::wrong_version};
+
+std::string known_command_names() {
+  std::string names;
+  for (int c = pb::Command_MIN + 1; c <= pb::Command_MAX; ++c)
+    names += (names.empty() ? "" : ", ") + command_name(static_cast<pb::Command>(c));
+  return names;
+}
+
+std::string known_fault_kinds() {
+  std::string names;
+  for (fault_kind kind : all_fault_kinds)
+    names += (names.empty() ? "" : ", ") + std::string(fault_kind_name(kind));
+  return names;
+}
+
+} // namespace
+
+void log_line(const std::string& message) {
+  std::string line = "refit-runtime[" + std::to_string(::getpid()) + "]: " + message + "\n";
+  // One write per line, so lines of concurrent processes do not interleave.
+  (void)!::write(STDERR_FILENO, line.data(), line.size());
+}
+
+fault_spec parse_fault(const std::string& text) {
+  std::vector<std::string> parts;
+  std::size_t start = 0;
+  for (;;) {
+    std::size_t colon = text.find(':', start);
+    parts.push_back(text.substr(start, colon - start));
+    if (colon == std::string::npos)
+      break;
+    start = colon + 1;
+  }
+  if (parts.size() < 2 || parts.size() > 3)
+    throw std::invalid_argument("'" + text + "' is not COMMAND:KIND[:AFTER]");
+
+  fault_spec fault;
+  auto command = protocol::command_from_name(parts[0]);
+  if (!command)
+    throw std::invalid_argument("'" + text + "': unknown command '" + parts[0]
+                                + "' (expected one of " + known_command_names() + ")");
+  fault.command = *command;
+
+  bool kind_found = false;
+  for (fault_kind kind : all_fault_kinds) {
+    if (parts[1] == fault_kind_name(kind)) {
+      fault.kind = kind;
+      kind_found = true;
+    }
+  }
+  if (!kind_found)
+    throw std::invalid_argument("'" + text + "': unknown fault kind '" + parts[1]
+                                + "' (expected one of " + known_fault_kinds() + ")");
+
+  if (parts.size() == 3) {
+    const std::string& after = parts[2];
+    if (after.empty() || after.size() > 9
+        || after.find_first_not_of("0123456789") != std::string::npos)
+      throw std::invalid_argument("'" + text + "': AFTER '" + after
+                                  + "' is not a count of earlier occurrences (0..999999999)");
+    fault.after = static_cast<std::uint32_t>(std::stoul(after));
+  }
+  return fault;
+}
+
+server::server(server_options options) : options_(std::move(options)) {
+  const auto tp = static_cast<std::uint32_t>(options_.devices.size());
+  layout_ = std::make_shared<const model::tp_layout>(options_.model, tp);
+  for (std::uint32_t rank = 0; rank < tp; ++rank)
+    workers_.push_back(std::make_unique<worker>(rank, static_cast<int>(rank),
+                                                options_.devices[rank], layout_,
+                                                options_.kv_cache_bytes));
+  on_all_workers([](worker& w) {
+    w.allocate_weights();
+    w.allocate_kv_cache();
+  });
+  load_checkpoint();
+  weights_valid_ = true;
+  sleep_level_ = 0;
+  model_version_ = 0;
+
+  std::string devices;
+  for (const auto& d : options_.devices)
+    devices += (devices.empty() ? "" : ",") + device::to_string(d);
+  log_line("serving tp=" + std::to_string(tp) + " on " + devices + ": "
+           + std::to_string(layout_->residents().size()) + " resident tensors ("
+           + std::to_string(layout_->resident_bytes()) + " bytes) and "
+           + std::to_string(options_.kv_cache_bytes) + " bytes of KV cache per worker");
+}
+
+server::~server() = default;
+
+void server::load_checkpoint() {
+  model::synthetic_weights synthetic;
+  synthetic.seed = options_.seed;
+  for (const auto& param : model::expected_key_stream(options_.model)) {
+    std::vector<std::byte> canonical(param.nbytes());
+    model::fill_synthetic(param, synthetic, 0, 0, param.numel(), canonical.data());
+    on_all_workers([&](worker& w) { w.load_tensor(param, canonical.data()); });
+  }
+}
+
+void server::on_all_workers(const std::function<void(worker&)>& job) {
+  std::vector<std::future<void>> done;
+  done.reserve(workers_.size());
+  for (auto& w : workers_)
+    done.push_back(w->post(job));
+  // Wait for every worker, even after a failure, so no job outlives this call.
+  std::optional<worker_failure> first_failure;
+  for (std::uint32_t rank = 0; rank < done.size(); ++rank) {
+    try {
+      done[rank].get();
+    } catch (const std::exception& e) {
+      if (!first_failure)
+        first_failure.emplace(rank, e.what());
+    }
+  }
+  if (first_failure)
+    throw *first_failure;
+}
+
+int server::serve() {
+  for (;;) {
+    std::string frame;
+    auto status = wire::read_frame(options_.control_fd, frame, options_.max_frame_bytes,
+                                   wire::clock::time_point::max());
+    if (status.code == wire::frame_errc::eof) {
+      log_line("the parent closed the control channel; exiting");
+      return 0;
+    }
+    if (!status) {
+      log_line(std::string("control channel broken (") + wire::to_string(status.code)
+               + "): " + status.message);
+      return 1;
+    }
+
+    decoded input = decode(frame);
+    if (!input.request) {
+      if (!send(input.rejection))
+        return 1;
+      continue;
+    }
+    const pb::Request& request = *input.request;
+
+    if (const fault_spec* fault = take_fault(request.command())) {
+      fault_reply reply = apply_fault(*fault, request);
+      if (reply.response && !send(*reply.response))
+        return 1;
+      if (!reply.raw_bytes.empty() && !send_raw(reply.raw_bytes))
+        return 1;
+      continue;
+    }
+
+    pb::Response response = execute(request);
+    if (!send(response))
+      return 1;
+    if (request.command() == pb::COMMAND_SHUTDOWN) {
+      log_line("shutdown requested; exiting");
+      return 0;
+    }
+  }
+}
+
+server::decoded server::decode(const std::string& frame) const {
+  decoded out;
+  pb::Request request;
+  if (!request.ParseFromString(frame)) {
+    out.rejection = envelope(0, pb::COMMAND_UNSPECIFIED);
+    set_error(out.rejection, pb::ERROR_CODE_MALFORMED, "request",
+              "a frame of " + std::to_string(frame.size())
+                + " bytes is not a refit.control.v1.Request");
+    return out;
+  }
+  out.rejection = envelope(request.request_id(), request.command());
+  if (request.protocol_version() != wire::protocol_version) {
+    set_error(out.rejection, pb::ERROR_CODE_PROTOCOL_VERSION, "protocol_version",
+              "request speaks protocol version " + std::to_string(request.protocol_version())
+                + ", this runtime speaks " + std::to_string(wire::protocol_version));
+    return out;
+  }
+  auto expected = protocol::payload_case_for(request.command());
+  if (expected == pb::Request::PAYLOAD_NOT_SET) {
+    set_error(out.rejection, pb::ERROR_CODE_MALFORMED, "command",
+              "unknown command " + std::to_string(request.command()));
+    return out;
+  }
+  if (request.payload_case() != expected) {
+    set_error(out.rejection, pb::ERROR_CODE_MALFORMED, "payload",
+              "command " + command_name(request.command()) + " carries payload '"
+                + payload_name(request.payload_case()) + "', expected '"
+                + payload_name(expected) + "'");
+    return out;
+  }
+  out.request = std::move(request);
+  return out;
+}
+
+pb::Response server::execute(const pb::Request& request) {
+  const pb::Command command = request.command();
+  pb::Response response = envelope(request.request_id(), command);
+  try {
+    switch (command) {
+      case pb::COMMAND_DESCRIBE: *response.mutable_describe() = describe(); break;
+      case pb::COMMAND_SLEEP: *response.mutable_sleep() = sleep(request.sleep()); break;
+      case pb::COMMAND_WAKE_UP: *response.mutable_wake_up() = wake_up(request.wake_up()); break;
+      case pb::COMMAND_RESET_PREFIX_CACHE:
+        *response.mutable_reset_prefix_cache() = reset_prefix_cache();
+        break;
+      case pb::COMMAND_SHUTDOWN: response.mutable_shutdown(); break;
+      case pb::COMMAND_GENERATE:
+      case pb::COMMAND_INIT_WEIGHT_TRANSFER:
+      case pb::COMMAND_START_WEIGHT_UPDATE:
+      case pb::COMMAND_UPDATE_WEIGHTS:
+      case pb::COMMAND_FINISH_WEIGHT_UPDATE:
+      case pb::COMMAND_RELEASE_IPC:
+        throw command_error(pb::ERROR_CODE_UNSUPPORTED, command_name(command),
+                            command_name(command)
+                              + " is not supported by this refit-runtime build yet");
+      default:
+        throw command_error(pb::ERROR_CODE_MALFORMED, "command",
+                            "unknown command " + std::to_string(command));
+    }
+    response.set_ok(true);
+  } catch (const command_error& e) {
+    set_error(response, e.code, e.where, e.what());
+  } catch (const worker_failure& e) {
+    log_line(command_name(command) + " failed: " + e.what());
+    set_error(response, pb::ERROR_CODE_INTERNAL, e.where, e.what());
+  } catch (const std::exception& e) {
+    log_line(command_name(command) + " failed: " + e.what());
+    set_error(response, pb::ERROR_CODE_INTERNAL, runtime_kind, e.what());
+  }
+  return response;
+}
+
+const fault_spec* server::take_fault(pb::Command command) {
+  const std::uint32_t occurrence = occurrences_[command]++;
+  for (const auto& fault : options_.faults)
+    if (fault.command == command && fault.after == occurrence)
+      return &fault;
+  return nullptr;
+}
+
+server::fault_reply server::apply_fault(const fault_spec& fault, const pb::Request& request) {
+  const pb::Command command = request.command();
+  log_line(std::string("injecting fault ") + fault_kind_name(fault.kind) + " on "
+           + command_name(command) + " (occurrence " + std::to_string(fault.after + 1) + ")");
+  fault_reply reply;
+  pb::Response response = envelope(request.request_id(), command);
+  switch (fault.kind) {
+    case fault_kind::stall:
+      for (;;)
+        std::this_thread::sleep_for(std::chrono::hours(1));
+    case fault_kind::exit:
+      ::_exit(fault_exit_code);
+    case fault_kind::sigkill:
+      ::raise(SIGKILL);
+      ::_exit(fault_exit_code); // not reached: SIGKILL cannot be caught
+    case fault_kind::error:
+      set_error(response, pb::ERROR_CODE_INJECTED, command_name(command),
+                "injected fault 'error' on " + command_name(command) + " (occurrence "
+                  + std::to_string(fault.after + 1) + ")");
+      break;
+    case fault_kind::bad_frame:
+      reply.raw_bytes = "refit:bad-frame!"; // 16 bytes; "refi" is not the magic "RFT1"
+      return reply;
+    case fault_kind::wrong_id:
+      response.set_request_id(request.request_id() + 1);
+      response.set_ok(true);
+      set_empty_result(response, command);
+      break;
+    case fault_kind::wrong_command:
+      response.set_command(other_command(command));
+      response.set_ok(true);
+      set_empty_result(response, command);
+      break;
+    case fault_kind::wrong_result:
+      response.set_ok(true);
+      set_empty_result(response, other_command(command));
+      break;
+    case fault_kind::wrong_version:
+      response.set_protocol_version(wrong_protocol_version);
+      response.set_ok(true);
+      set_empty_result(response, command);
+      break;
+  }
+  reply.response = std::move(response);
+  return reply;
+}
+
+bool server::send(const pb::Response& response) {
+  auto status = wire::write_frame(options_.control_fd, response.SerializeAsString(),
+                                  options_.max_frame_bytes, wire::clock::now() + write_timeout);
+  if (!status)
+    log_line("cannot answer " + command_name(response.command()) + " (request "
+             + std::to_string(response.request_id()) + "): " + wire::to_string(status.code) + ": "
+             + status.message);
+  return static_cast<bool>(status);
+}
+
+bool server::send_raw(const std::string& bytes) {
+  std::size_t done = 0;
+  while (done < bytes.size()) {
+    ssize_t n = ::send(options_.control_fd, bytes.data() + done, bytes.size() - done,
+                       MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR)
+      continue;
+    if (n < 0) {
+      log_line(std::string("cannot write raw bytes on the control channel: ")
+               + std::strerror(errno));
+      return false;
+    }
+    done += static_cast<std::size_t>(n);
+  }
+  return true;
+}
+
+pb::DescribeResult server::describe() {
+  std::vector<worker_report> reports(workers_.size());
+  on_all_workers([&reports](worker& w) { reports[w.rank()] = w.report(); });
+
+  pb::DescribeResult result;
+  result.set_runtime_kind(runtime_kind);
+  result.set_runtime_version(runtime_version);
+  result.set_tp_world_size(static_cast<std::uint32_t>(workers_.size()));
+  bool weights_awake = true;
+  bool kv_cache_awake = true;
+  for (const auto& r : reports) {
+    auto* info = result.add_workers();
+    info->set_rank(r.rank);
+    info->set_device_index(r.device_index);
+    info->set_device_uuid(r.device_uuid);
+    info->set_weight_bytes_resident(r.weight_bytes_resident);
+    info->set_kv_cache_bytes_resident(r.kv_cache_bytes_resident);
+    info->set_weight_bytes_offloaded(r.weight_bytes_offloaded);
+    info->set_device_free_bytes(r.device_free_bytes);
+    info->set_resident_tensor_count(weights_valid_ ? r.resident_tensors : 0);
+    weights_awake = weights_awake && r.weights_resident;
+    kv_cache_awake = kv_cache_awake && r.kv_cache_resident;
+  }
+  result.set_sleep_level(sleep_level_);
+  result.set_weights_awake(weights_awake);
+  result.set_kv_cache_awake(kv_cache_awake);
+  result.set_model_version(model_version_);
+  result.set_weights_valid(weights_valid_);
+  result.set_pid(static_cast<std::uint32_t>(::getpid()));
+  return result;
+}
+
+pb::MemoryResult server::sleep(const pb::SleepRequest& request) {
+  const std::uint32_t level = request.level();
+  if (level == 1) {
+    on_all_workers([](worker& w) {
+      w.offload_weights();
+      w.free_kv_cache();
+    });
+  } else if (level == 2) {
+    weights_valid_ = false;
+    on_all_workers([](worker& w) {
+      w.discard_weights();
+      w.free_kv_cache();
+    });
+  } else {
+    throw command_error(pb::ERROR_CODE_INVALID_ARGUMENT, "sleep.level",
+                        "sleep level " + std::to_string(level)
+                          + " is not supported (1: offload weights to host and drop the KV "
+                            "cache, 2: drop weights and KV cache)");
+  }
+  sleep_level_ = level;
+  pb::MemoryResult result;
+  *result.mutable_state() = describe();
+  return result;
+}
+
+pb::MemoryResult server::wake_up(const pb::WakeUpRequest& request) {
+  bool wake_weights = request.tags().empty();
+  bool wake_kv_cache = request.tags().empty();
+  for (int i = 0; i < request.tags_size(); ++i) {
+    switch (request.tags(i)) {
+      case pb::WAKE_TAG_WEIGHTS: wake_weights = true; break;
+      case pb::WAKE_TAG_KV_CACHE: wake_kv_cache = true; break;
+      default:
+        throw command_error(pb::ERROR_CODE_INVALID_ARGUMENT,
+                            "wake_up.tags[" + std::to_string(i) + "]",
+                            "wake tag " + std::to_string(request.tags(i))
+                              + " is neither WAKE_TAG_WEIGHTS nor WAKE_TAG_KV_CACHE");
+    }
+  }
+  if (wake_weights) {
+    std::vector<weights_wake> outcomes(workers_.size());
+    on_all_workers([&outcomes](worker& w) { outcomes[w.rank()] = w.wake_weights(); });
+    // Storage without a host backup is zero-filled: only a publication can make it valid.
+    if (std::find(outcomes.begin(), outcomes.end(), weights_wake::zero_filled) != outcomes.end())
+      weights_valid_ = false;
+  }
+  if (wake_kv_cache)
+    on_all_workers([](worker& w) { w.allocate_kv_cache(); });
+
+  pb::MemoryResult result;
+  *result.mutable_state() = describe();
+  if (result.state().weights_awake() && result.state().kv_cache_awake()) {
+    sleep_level_ = 0;
+    result.mutable_state()->set_sleep_level(0);
+  }
+  return result;
+}
+
+pb::ResetPrefixCacheResult server::reset_prefix_cache() {
+  pb::ResetPrefixCacheResult result;
+  result.set_entries_dropped(prefix_cache_.size());
+  prefix_cache_.clear();
+  return result;
+}
+
+} // namespace refit::child

@@ -1,0 +1,114 @@
+// The control server of refit-runtime: reads Request frames from the control socket,
+// dispatches each command to all TP workers (waiting for every one of them), and answers
+// with one Response per Request. Also applies the test-only faults of --fault.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "messages/control.pb.h"
+#include "runtime/child/worker.hpp"
+#include "runtime/device.hpp"
+#include "runtime/model/qwen3_moe.hpp"
+
+namespace refit::child {
+
+namespace pb = refit::control::v1;
+
+// One log line on stderr, prefixed "refit-runtime[pid]: ".
+void log_line(const std::string& message);
+
+enum class fault_kind {
+  stall,         // never answer; stay alive
+  exit,          // _exit(3) without answering
+  sigkill,       // raise(SIGKILL)
+  error,         // ok=false, ERROR_CODE_INJECTED
+  bad_frame,     // 16 bytes that are not a frame header
+  wrong_id,      // echo request_id + 1
+  wrong_command, // echo another command
+  wrong_result,  // ok=true with the result case of another command
+  wrong_version, // echo protocol_version 99
+};
+
+// A fault applied to the (after+1)-th occurrence of `command`, instead of running it.
+struct fault_spec {
+  pb::Command command = pb::COMMAND_UNSPECIFIED;
+  fault_kind kind = fault_kind::error;
+  std::uint32_t after = 0;
+};
+
+// Parses "COMMAND:KIND[:AFTER]" (e.g. "sleep:stall", "describe:error:1").
+// Throws std::invalid_argument saying which part is wrong.
+fault_spec parse_fault(const std::string& text);
+
+struct server_options {
+  int control_fd = -1;
+  std::vector<device::spec> devices; // one per TP rank, in rank order
+  model::model_config model;
+  std::uint64_t kv_cache_bytes = 0;  // per worker
+  std::size_t max_frame_bytes = 0;
+  std::uint64_t seed = 0;            // synthetic checkpoint weights
+  std::vector<fault_spec> faults;
+};
+
+class server {
+public:
+  // Starts one worker per device, allocates weights and KV cache and loads the checkpoint
+  // (synthetic weights at step 0). Throws on failure.
+  explicit server(server_options options);
+  server(const server&) = delete;
+  server& operator=(const server&) = delete;
+  // Frees all memory and joins the workers.
+  ~server();
+
+  // Serves requests until shutdown or until the parent closes the channel (returns 0), or
+  // until the channel breaks (returns 1).
+  int serve();
+
+private:
+  // A parsed request, or the error response that answers an unusable frame.
+  struct decoded {
+    std::optional<pb::Request> request;
+    pb::Response rejection;
+  };
+
+  decoded decode(const std::string& frame) const;
+  pb::Response execute(const pb::Request& request);
+  // What a fault puts on the channel instead of the normal answer: a response, raw bytes,
+  // or nothing (faults that stall or end the process never return).
+  struct fault_reply {
+    std::optional<pb::Response> response;
+    std::string raw_bytes;
+  };
+
+  // Counts an occurrence of `command`; returns the fault that applies to it, if any.
+  const fault_spec* take_fault(pb::Command command);
+  fault_reply apply_fault(const fault_spec& fault, const pb::Request& request);
+  bool send(const pb::Response& response);
+  bool send_raw(const std::string& bytes);
+
+  void load_checkpoint();
+  void on_all_workers(const std::function<void(worker&)>& job);
+  pb::DescribeResult describe();
+  pb::MemoryResult sleep(const pb::SleepRequest& request);
+  pb::MemoryResult wake_up(const pb::WakeUpRequest& request);
+  pb::ResetPrefixCacheResult reset_prefix_cache();
+
+  server_options options_;
+  std::shared_ptr<const model::tp_layout> layout_;
+  std::vector<std::unique_ptr<worker>> workers_;
+  std::uint32_t sleep_level_ = 0;
+  bool weights_valid_ = false;
+  std::uint64_t model_version_ = 0;
+  // Prompt token prefix -> KV cache block; filled by generation, emptied by reset.
+  std::map<std::vector<std::int32_t>, std::uint64_t> prefix_cache_;
+  std::map<pb::Command, std::uint32_t> occurrences_; // requests seen per command
+};
+
+} // namespace refit::child

@@ -1,0 +1,151 @@
+#include "runtime/child/worker.hpp"
+
+#include <stdexcept>
+
+namespace refit::child {
+
+namespace {
+
+std::vector<std::uint64_t> offsets_of(const model::tp_layout& layout) {
+  std::vector<std::uint64_t> offsets;
+  std::uint64_t offset = 0;
+  for (const auto& r : layout.residents()) {
+    offsets.push_back(offset);
+    offset += r.nbytes;
+  }
+  return offsets;
+}
+
+} // namespace
+
+worker::worker(std::uint32_t rank, int device_index, device::spec device,
+               std::shared_ptr<const model::tp_layout> layout, std::uint64_t kv_cache_bytes)
+  : rank_(rank),
+    device_index_(device_index),
+    layout_(std::move(layout)),
+    kv_cache_bytes_(kv_cache_bytes),
+    resident_offsets_(offsets_of(*layout_)),
+    memory_(open_device_memory(device)),
+    device_uuid_(memory_->uuid()),
+    thread_([this] { run(); }) {}
+
+worker::~worker() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  wakeup_.notify_one();
+  thread_.join();
+}
+
+std::future<void> worker::post(std::function<void(worker&)> job) {
+  std::packaged_task<void()> task([this, job = std::move(job)] { job(*this); });
+  auto done = task.get_future();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    jobs_.push_back(std::move(task));
+  }
+  wakeup_.notify_one();
+  return done;
+}
+
+void worker::run() {
+  for (;;) {
+    std::packaged_task<void()> job;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      wakeup_.wait(lock, [this] { return stopping_ || !jobs_.empty(); });
+      if (jobs_.empty())
+        break;
+      job = std::move(jobs_.front());
+      jobs_.pop_front();
+    }
+    job();
+  }
+  release_memory();
+}
+
+void worker::release_memory() {
+  resident_ptrs_.clear();
+  weights_.reset();
+  kv_cache_.reset();
+  weights_backup_.reset();
+}
+
+void worker::require_weights_resident(const std::string& action) const {
+  if (!weights_)
+    throw std::logic_error("worker " + std::to_string(rank_) + " ("
+                           + device::to_string(memory_->device())
+                           + "): cannot " + action + ": weights are not resident");
+}
+
+void worker::allocate_weights() {
+  if (weights_)
+    return;
+  weights_ = memory_->alloc(layout_->resident_bytes(),
+                            "resident weights of TP rank " + std::to_string(rank_));
+  resident_ptrs_.clear();
+  for (std::uint64_t offset : resident_offsets_)
+    resident_ptrs_.push_back(weights_.data() + offset);
+}
+
+void worker::allocate_kv_cache() {
+  if (!kv_cache_)
+    kv_cache_ = memory_->alloc(kv_cache_bytes_, "KV cache of TP rank " + std::to_string(rank_));
+}
+
+void worker::load_tensor(const model::param_meta& p, const std::byte* canonical) {
+  require_weights_resident("load " + p.name);
+  layout_->scatter(p, canonical, rank_, resident_ptrs_);
+}
+
+void worker::offload_weights() {
+  if (!weights_)
+    return; // already offloaded (or dropped)
+  weights_backup_ = memory_->offload(weights_, "weights of TP rank " + std::to_string(rank_));
+  resident_ptrs_.clear();
+  weights_.reset();
+}
+
+void worker::discard_weights() {
+  resident_ptrs_.clear();
+  weights_.reset();
+  weights_backup_.reset();
+}
+
+void worker::free_kv_cache() { kv_cache_.reset(); }
+
+weights_wake worker::wake_weights() {
+  if (weights_)
+    return weights_wake::already_resident;
+  allocate_weights();
+  if (!weights_backup_)
+    return weights_wake::zero_filled;
+  try {
+    memory_->restore(weights_backup_, weights_);
+  } catch (...) {
+    // Keep the backup as the only copy; storage with half-restored bytes must not stay.
+    resident_ptrs_.clear();
+    weights_.reset();
+    throw;
+  }
+  weights_backup_.reset();
+  return weights_wake::restored_from_host;
+}
+
+worker_report worker::report() const {
+  worker_report r;
+  r.rank = rank_;
+  r.device_index = device_index_;
+  r.device_uuid = device_uuid_;
+  r.weights_resident = static_cast<bool>(weights_);
+  r.kv_cache_resident = static_cast<bool>(kv_cache_);
+  r.weight_bytes_resident = weights_.size();
+  r.kv_cache_bytes_resident = kv_cache_.size();
+  r.weight_bytes_offloaded = weights_backup_.size();
+  r.device_free_bytes = memory_->free_bytes();
+  r.resident_tensors = weights_ ? resident_ptrs_.size() : 0;
+  return r;
+}
+
+} // namespace refit::child

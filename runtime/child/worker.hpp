@@ -1,0 +1,99 @@
+// One TP worker of refit-runtime: a thread with its own job queue that owns one device's
+// memory: the resident weights (one region sliced into the resident tensors of the TP
+// layout), the KV cache, and the host backup that sleep level 1 parks weights in.
+//
+// The server posts jobs with post(); every other member function runs on the worker's own
+// thread, from inside such a job (so a CUDA build can keep each worker bound to its device).
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "runtime/child/device_memory.hpp"
+#include "runtime/device.hpp"
+#include "runtime/model/qwen3_moe.hpp"
+
+namespace refit::child {
+
+// What a worker holds right now (the per-worker part of DescribeResult).
+struct worker_report {
+  std::uint32_t rank = 0;
+  int device_index = 0;
+  std::string device_uuid;
+  bool weights_resident = false;
+  bool kv_cache_resident = false;
+  std::uint64_t weight_bytes_resident = 0;
+  std::uint64_t kv_cache_bytes_resident = 0;
+  std::uint64_t weight_bytes_offloaded = 0;
+  std::uint64_t device_free_bytes = 0;
+  std::uint64_t resident_tensors = 0; // tensors in resident weight storage (0 if not resident)
+};
+
+// How wake_weights found or made the weight storage.
+enum class weights_wake { already_resident, restored_from_host, zero_filled };
+
+class worker {
+public:
+  // Worker `rank` on `device` (position `device_index` in the runtime's device list).
+  worker(std::uint32_t rank, int device_index, device::spec device,
+         std::shared_ptr<const model::tp_layout> layout, std::uint64_t kv_cache_bytes);
+  // Runs the queued jobs, frees all memory on the worker thread, joins it.
+  ~worker();
+  worker(const worker&) = delete;
+  worker& operator=(const worker&) = delete;
+
+  // Queues `job` for the worker thread; the future carries its completion or exception.
+  std::future<void> post(std::function<void(worker&)> job);
+
+  std::uint32_t rank() const { return rank_; }
+
+  // ---- worker thread only ----
+  // Allocates zero-filled weight storage unless it is resident.
+  void allocate_weights();
+  // Allocates the KV cache unless it is resident.
+  void allocate_kv_cache();
+  // Scatters canonical tensor `p` (bytes `canonical`) into this rank's resident tensors.
+  void load_tensor(const model::param_meta& p, const std::byte* canonical);
+  // Sleep level 1: copies resident weights to a host backup and frees them.
+  void offload_weights();
+  // Sleep level 2: frees resident weights and drops any host backup.
+  void discard_weights();
+  void free_kv_cache();
+  // Wake: allocates weight storage if needed; a host backup is copied back and dropped.
+  weights_wake wake_weights();
+  worker_report report() const;
+
+private:
+  void run();
+  void release_memory();
+  void require_weights_resident(const std::string& action) const;
+
+  const std::uint32_t rank_;
+  const int device_index_;
+  const std::shared_ptr<const model::tp_layout> layout_;
+  const std::uint64_t kv_cache_bytes_;
+  const std::vector<std::uint64_t> resident_offsets_; // byte offset of each resident tensor
+  const std::unique_ptr<device_memory> memory_;
+  const std::string device_uuid_;
+
+  device_buffer weights_;
+  std::vector<std::byte*> resident_ptrs_; // into weights_, one per resident tensor
+  device_buffer kv_cache_;
+  host_backup weights_backup_;
+
+  std::mutex mutex_;
+  std::condition_variable wakeup_;
+  std::deque<std::packaged_task<void()>> jobs_;
+  bool stopping_ = false;
+  std::thread thread_; // last: starts after everything above is initialized
+};
+
+} // namespace refit::child
