@@ -1,0 +1,65 @@
+// All typed actor interfaces of refit, in one place. Actors receive their peers as these
+// handles, so tests substitute any peer with a scripted actor of the same interface.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include <caf/replies_to.hpp>
+#include <caf/typed_actor.hpp>
+
+#include "messages/type_ids.hpp"
+
+namespace refit {
+
+// vLLMRuntimeProxy: owns one spawned runtime process and its control channel. One request
+// is on the wire at a time (later ones wait in order). Any timeout, EOF, invalid frame or
+// mismatched response makes it BROKEN: it kills and reaps the whole process group, fails
+// every pending request with the typed error, and quits with that error.
+using runtime_proxy_actor = caf::typed_actor<
+  caf::replies_to<describe_atom>::with<runtime_description>,
+  caf::replies_to<generate_atom, generate_request>::with<generate_result>,
+  caf::replies_to<sleep_atom, std::uint32_t>::with<runtime_description>,
+  caf::replies_to<wake_atom, wake_tags>::with<runtime_description>,
+  caf::replies_to<init_wt_atom, transfer_init>::with<std::string>,
+  caf::replies_to<start_upd_atom, publication_header>::with<std::string>,
+  caf::replies_to<update_atom, weight_chunk>::with<chunk_ack>,
+  caf::replies_to<finish_upd_atom, finish_request>::with<commit_result>,
+  caf::replies_to<release_atom, std::string>::with<std::uint32_t>,
+  caf::replies_to<reset_pc_atom>::with<std::uint64_t>,
+  // Graceful stop: shutdown command, wait for exit, reap; then the proxy quits normally.
+  caf::replies_to<shutdown_atom>::with<caf::ok_atom>,
+  // Fail-stop: kill and reap the process group now, then quit with errc::poisoned.
+  caf::replies_to<poison_atom, std::string>::with<caf::ok_atom>>;
+
+// RolloutEngine: the rollout API (generate, sleep/wake, weight-transfer control surface).
+// It validates every transition, forwards to the attached proxy, validates the child's
+// answers again, stamps outputs with the committed model version, and poisons the runtime
+// after an unsafe failure.
+using rollout_engine_actor = caf::typed_actor<
+  caf::replies_to<status_atom>::with<engine_status>,
+  caf::replies_to<describe_atom>::with<runtime_description>,
+  caf::replies_to<generate_atom, generate_request>::with<generate_result>,
+  caf::replies_to<sleep_atom, std::uint32_t>::with<engine_status>,
+  caf::replies_to<wake_atom, wake_tags>::with<engine_status>,
+  caf::replies_to<reset_pc_atom>::with<std::uint64_t>,
+  caf::replies_to<init_wt_atom, transfer_init>::with<engine_status>,
+  caf::replies_to<start_upd_atom, publication_header>::with<engine_status>,
+  caf::replies_to<update_atom, weight_chunk>::with<chunk_ack>,
+  caf::replies_to<finish_upd_atom, finish_request>::with<commit_result>,
+  caf::replies_to<release_atom>::with<engine_status>,
+  caf::replies_to<poison_atom, std::string>::with<engine_status>,
+  // From the rollout supervisor: a (re)started runtime and its incarnation number (1 = the
+  // first runtime, whose checkpoint weights are usable; >1 needs a full publication).
+  caf::reacts_to<attach_atom, runtime_proxy_actor, std::uint64_t>>;
+
+// RolloutSupervisor: spawns the runtime proxy, monitors it, restarts it with bounded
+// retries and backoff, and attaches every new proxy to the RolloutEngine.
+using rollout_supervisor_actor = caf::typed_actor<
+  caf::replies_to<status_atom>::with<supervisor_status>,
+  // Orderly stop: no further restarts; the proxy gets a graceful shutdown.
+  caf::replies_to<shutdown_atom>::with<caf::ok_atom>,
+  // Internal: the backoff timer.
+  caf::reacts_to<restart_atom>>;
+
+} // namespace refit
