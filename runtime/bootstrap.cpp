@@ -1,0 +1,76 @@
+#include "runtime/bootstrap.hpp"
+
+#include <thread>
+
+#include <caf/scoped_actor.hpp>
+#include <caf/send.hpp>
+#include <caf/stateful_actor.hpp>
+#include <caf/typed_event_based_actor.hpp>
+
+#include "actors/rollout_engine.hpp"
+#include "actors/runtime_proxy.hpp"
+
+namespace refit {
+
+void configure(caf::actor_system_config& cfg) {
+  cfg.add_message_types<caf::id_block::refit>();
+  cfg.add_message_type<runtime_proxy_actor>("refit::runtime_proxy_actor");
+  cfg.add_message_type<channel_message>("refit::channel_message");
+  cfg.add_error_category(caf::atom("refit"),
+                         [](std::uint8_t code, caf::atom_value, const caf::message& ctx) {
+                           return render(caf::error{code, caf::atom("refit"), ctx});
+                         });
+}
+
+proxy_factory make_runtime_proxy_factory(const config::refit_config& cfg,
+                                         std::string runtime_exe) {
+  runtime_proxy_options opts;
+  opts.runtime = cfg.runtime;
+  opts.model = cfg.model;
+  opts.seed = cfg.job.seed;
+  opts.executable_path = std::move(runtime_exe);
+  return [opts](caf::actor_system& sys, std::uint64_t) -> runtime_proxy_actor {
+    return sys.spawn(runtime_proxy, opts);
+  };
+}
+
+rollout_handles spawn_rollout(caf::actor_system& sys, const config::refit_config& cfg,
+                              proxy_factory factory) {
+  rollout_engine_options eo;
+  eo.timeouts_ms = cfg.runtime.timeouts_ms;
+  eo.kill_grace_ms = cfg.runtime.kill_grace_ms;
+  eo.tp_size = cfg.runtime.tp_size;
+  rollout_handles h;
+  h.engine = sys.spawn(rollout_engine, eo);
+  h.supervisor = sys.spawn(rollout_supervisor, cfg.supervisor, std::move(factory), h.engine);
+  return h;
+}
+
+bool wait_until_ready(caf::actor_system& sys, const rollout_engine_actor& engine,
+                      std::chrono::milliseconds timeout, engine_status* last) {
+  caf::scoped_actor self{sys};
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    engine_status st;
+    bool got = false;
+    self->request(engine, std::chrono::seconds(5), status_atom::value)
+      .receive([&](engine_status& s) { st = s, got = true; }, [&](caf::error&) {});
+    if (got && last)
+      *last = st;
+    if (got && st.conn() == connection_state::idle)
+      return true;
+    if (std::chrono::steady_clock::now() >= deadline)
+      return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
+void shutdown_rollout(caf::actor_system& sys, const rollout_handles& h) {
+  caf::scoped_actor self{sys};
+  self->request(h.supervisor, std::chrono::seconds(60), shutdown_atom::value)
+    .receive([](caf::ok_atom) {}, [](caf::error&) {});
+  caf::anon_send_exit(h.engine, caf::exit_reason::user_shutdown);
+  caf::anon_send_exit(h.supervisor, caf::exit_reason::user_shutdown);
+}
+
+} // namespace refit
