@@ -4,6 +4,7 @@
 #include <set>
 
 #include <caf/event_based_actor.hpp>
+#include <caf/sec.hpp>
 #include <caf/stateful_actor.hpp>
 #include <caf/typed_event_based_actor.hpp>
 
@@ -92,6 +93,13 @@ void mark_broken(self_ptr self, const caf::error& err, bool poison) {
       .then([](caf::ok_atom) {}, [](caf::error&) {});
 }
 
+// Whether a failed request must poison the runtime: any answer that is not a channel failure,
+// and the engine's own request timeout (the proxy did not answer at all, so nothing says it
+// is going away by itself; without poison no DOWN and no restart would ever follow).
+bool needs_poison(const caf::error& err) {
+  return !is_channel_failure(err) || err == caf::sec::request_timeout;
+}
+
 // Forwards one request to the proxy. `on_ok(reply)` returns an error (validation failure)
 // or a default error to accept. `unsafe` failures poison the runtime.
 template <class Reply, class Promise, class OnOk, class... Ts>
@@ -107,6 +115,10 @@ void forward(self_ptr self, Promise rp, bool unsafe, std::uint32_t command_ms, O
         if (st.incarnation != incarnation)
           return (void)rp.deliver(make_refit_error(errc::broken, "runtime",
                                              "the runtime was replaced while the request ran"));
+        if (st.conn != connection_state::inflight) // BROKEN meanwhile: stays BROKEN
+          return (void)rp.deliver(make_refit_error(errc::broken, "runtime",
+                                                   "the runtime was marked BROKEN while the "
+                                                   "request ran (" + st.last_error + ")"));
         st.conn = connection_state::idle;
         on_ok(reply, rp);
       },
@@ -115,8 +127,8 @@ void forward(self_ptr self, Promise rp, bool unsafe, std::uint32_t command_ms, O
         if (st.incarnation == incarnation && st.conn != connection_state::detached) {
           bool unsafe_now = unsafe || st.update_open || st.ipc_open;
           if (is_channel_failure(err) || unsafe_now)
-            mark_broken(self, err, !is_channel_failure(err));
-          else
+            mark_broken(self, err, needs_poison(err));
+          else if (st.conn == connection_state::inflight)
             st.conn = connection_state::idle;
         }
         rp.deliver(err);
@@ -309,7 +321,7 @@ void on_attach(self_ptr self, runtime_proxy_actor proxy, std::uint64_t incarnati
     .then(
       [=](runtime_description& d) {
         auto& st = self->state;
-        if (st.incarnation != incarnation)
+        if (st.incarnation != incarnation || st.conn != connection_state::inflight)
           return;
         if (auto err = check_description(st, d)) {
           mark_broken(self, err, true);
@@ -323,8 +335,9 @@ void on_attach(self_ptr self, runtime_proxy_actor proxy, std::uint64_t incarnati
           st.needs_publication = true;
       },
       [=](caf::error& err) {
-        if (self->state.incarnation == incarnation)
-          mark_broken(self, err, !is_channel_failure(err));
+        auto& st = self->state;
+        if (st.incarnation == incarnation && st.conn == connection_state::inflight)
+          mark_broken(self, err, needs_poison(err));
       });
 }
 
@@ -433,6 +446,10 @@ rollout_engine_actor::behavior_type rollout_engine(self_ptr self, rollout_engine
       auto& st = self->state;
       if (auto err = refuse_unless_connected(st, "wake_up"))
         return err;
+      if (st.update_open)
+        return make_refit_error(errc::update_open, "wake_up",
+                                "cannot wake while a weight update is open (old weights, KV "
+                                "cache and new weights must never coexist)");
       if (!tags.weights && !tags.kv_cache)
         return make_refit_error(errc::invalid_argument, "wake_up.tags",
                                 "no tag selected (use weights, kv_cache, or both)");
@@ -454,6 +471,9 @@ rollout_engine_actor::behavior_type rollout_engine(self_ptr self, rollout_engine
       auto& st = self->state;
       if (auto err = refuse_unless_connected(st, "reset_prefix_cache"))
         return err;
+      if (st.update_open)
+        return make_refit_error(errc::update_open, "reset_prefix_cache",
+                                "the prefix cache is reset by the commit of the open update");
       auto rp = self->make_response_promise<std::uint64_t>();
       forward<std::uint64_t>(self, rp, true, t.reset_prefix_cache,
         [](std::uint64_t& n, decltype(rp)& rp) mutable { rp.deliver(n); }, reset_pc_atom::value);
@@ -601,6 +621,10 @@ rollout_engine_actor::behavior_type rollout_engine(self_ptr self, rollout_engine
         return err;
       if (!st.transfer_initialized)
         return make_refit_error(errc::invalid_state, "release_ipc", "no weight transfer to release");
+      if (st.update_open)
+        return make_refit_error(errc::update_open, "release_ipc",
+                                "publication '" + st.header.publication_id
+                                  + "' is still open; release_ipc follows finish_weight_update");
       auto rp = self->make_response_promise<engine_status>();
       forward<std::uint32_t>(self, rp, true, t.release_ipc,
         [=](std::uint32_t&, decltype(rp)& rp) mutable {

@@ -71,9 +71,10 @@ rollout_supervisor(self_ptr self, config::supervisor_config cfg, proxy_factory f
       return; // the engine stays detached: every request gets errc::not_attached
     }
     st.restarts.push_back(now);
-    ++st.consecutive_failures;
     st.restart_pending = true;
-    self->delayed_send(self, backoff(st.cfg, st.consecutive_failures), restart_atom::value);
+    // Backoff grows with the restarts inside the window: forgiven restarts reset it.
+    auto failures = static_cast<std::uint32_t>(st.restarts.size());
+    self->delayed_send(self, backoff(st.cfg, failures), restart_atom::value);
   });
   start_runtime(self);
   return {

@@ -27,7 +27,6 @@ struct rollout_supervisor_state {
   runtime_proxy_actor proxy;
   std::uint64_t incarnation = 0;
   std::deque<caf::actor_clock::time_point> restarts; // inside restart_window_ms
-  std::uint32_t consecutive_failures = 0;             // drives the backoff
   bool restart_pending = false;
   bool stopping = false;
   bool gave_up = false;
