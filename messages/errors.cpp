@@ -32,6 +32,10 @@ const char* to_string(errc code) {
     case errc::poisoned: return "poisoned";
     case errc::restart_limit: return "restart_limit";
     case errc::shutting_down: return "shutting_down";
+    case errc::preflight_failed: return "preflight_failed";
+    case errc::gate_failed: return "gate_failed";
+    case errc::manifest_mismatch: return "manifest_mismatch";
+    case errc::verification_failed: return "verification_failed";
   }
   return "unknown";
 }

@@ -39,6 +39,11 @@ enum class errc : std::uint8_t {
   poisoned,                // the runtime was poisoned on purpose after a failed publication
   restart_limit,           // the supervisor exhausted its restart budget
   shutting_down,
+  // Weight publication (SyncCoordinator / ConsensusGate / TrainerRank).
+  preflight_failed = 60,   // topology, buffer or memory check failed before any materialization
+  gate_failed,             // a rank failed or missed a phase; every rank got the same failure
+  manifest_mismatch,       // a rank's actual manifest differs from the expected plan
+  verification_failed,     // byte-exact checksums differ from the trainer's weights
 };
 
 const char* to_string(errc code);

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <caf/meta/type_name.hpp>
@@ -141,13 +142,14 @@ struct publication_header {
   std::string manifest_fingerprint;
   std::vector<std::string> device_uuids;
   std::uint64_t expected_tensor_count = 0;
+  bool verify = false; // ask workers for resident checksums (byte-exact verifier)
 };
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, publication_header& x) {
   return f(caf::meta::type_name("publication_header"), x.protocol_version, x.transport,
            x.publication_id, x.model_version, x.tp_world_size, x.manifest_fingerprint,
-           x.device_uuids, x.expected_tensor_count);
+           x.device_uuids, x.expected_tensor_count, x.verify);
 }
 
 struct tensor_meta {
@@ -166,7 +168,7 @@ typename Inspector::result_type inspect(Inspector& f, tensor_meta& x) {
 struct buffer_handle {
   std::string device_uuid;
   std::uint32_t buffer_index = 0;
-  std::string handle; // shm name or raw cudaIpcMemHandle_t bytes
+  std::string handle; // host: "memfd:<pid>:<fd>"; cuda: raw cudaIpcMemHandle_t bytes
   std::uint64_t size = 0;
 };
 
@@ -211,6 +213,16 @@ typename Inspector::result_type inspect(Inspector& f, finish_request& x) {
   return f(caf::meta::type_name("finish_request"), x.publication_id, x.model_version);
 }
 
+struct tensor_checksum {
+  std::string name;   // resident tensor name
+  std::string sha256; // hex
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, tensor_checksum& x) {
+  return f(caf::meta::type_name("tensor_checksum"), x.name, x.sha256);
+}
+
 struct receipt {
   std::string publication_id;
   std::uint64_t model_version = 0;
@@ -219,12 +231,14 @@ struct receipt {
   std::uint32_t tp_rank = 0;
   std::string device_uuid;
   std::uint64_t resident_tensor_count = 0;
+  std::vector<tensor_checksum> checksums; // only when the header asked to verify
 };
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, receipt& x) {
   return f(caf::meta::type_name("receipt"), x.publication_id, x.model_version, x.tp_world_size,
-           x.manifest_fingerprint, x.tp_rank, x.device_uuid, x.resident_tensor_count);
+           x.manifest_fingerprint, x.tp_rank, x.device_uuid, x.resident_tensor_count,
+           x.checksums);
 }
 
 struct commit_result {
@@ -238,6 +252,148 @@ template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, commit_result& x) {
   return f(caf::meta::type_name("commit_result"), x.publication_id, x.model_version,
            x.receipts, x.prefix_cache_reset);
+}
+
+// ------------------------------------------------------------------ publication (trainer side)
+// A publication phase: every rank reports once per phase to the ConsensusGate.
+enum class phase_kind : std::uint8_t {
+  prepare = 1,     // schema + plan validated, buffers allocated
+  materialize = 2, // chunk gathered into the packed buffer and checked against the plan
+  transfer = 3,    // chunk loaded by the runtime; the buffer may be reused
+  manifest = 4,    // actual emitted manifest
+  final = 5,       // committed result checked by the rank
+};
+const char* to_string(phase_kind k);
+
+struct phase_id {
+  std::string publication_id;
+  std::uint8_t kind = 0; // phase_kind
+  std::uint32_t chunk = 0;
+  phase_kind k() const { return static_cast<phase_kind>(kind); }
+  bool operator<(const phase_id& o) const {
+    return std::tie(publication_id, kind, chunk) < std::tie(o.publication_id, o.kind, o.chunk);
+  }
+  bool operator==(const phase_id& o) const {
+    return publication_id == o.publication_id && kind == o.kind && chunk == o.chunk;
+  }
+};
+std::string to_string(const phase_id& p); // "materialize[3] of <id>"
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, phase_id& x) {
+  return f(caf::meta::type_name("phase_id"), x.publication_id, x.kind, x.chunk);
+}
+
+// One rank's outcome of one phase.
+struct rank_report {
+  phase_id phase;
+  std::uint32_t rank = 0;
+  bool ok = false;
+  std::string error;                 // what failed, when !ok
+  std::vector<tensor_meta> tensors;  // materialize: what the rank packed (name/shape/dtype/offset/nbytes)
+  std::vector<buffer_handle> handles;// materialize: the rank's buffer holding the chunk
+  std::string fingerprint;           // manifest: SHA-256 of the rank's actual emitted stream
+  std::uint64_t tensor_count = 0;    // manifest: tensors emitted
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, rank_report& x) {
+  return f(caf::meta::type_name("rank_report"), x.phase, x.rank, x.ok, x.error, x.tensors,
+           x.handles, x.fingerprint, x.tensor_count);
+}
+
+// The failure the gate hands to every rank and to the coordinator.
+struct gate_failure {
+  phase_id phase;
+  std::uint32_t rank = 0; // first failing (or missing) rank
+  std::string error;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, gate_failure& x) {
+  return f(caf::meta::type_name("gate_failure"), x.phase, x.rank, x.error);
+}
+
+// What a trainer rank tells the coordinator in preflight.
+struct rank_info {
+  std::uint32_t rank = 0;
+  std::uint32_t world = 0;
+  std::string device;       // "cpu:N" / "cuda:N"
+  std::string device_uuid;
+  std::uint64_t free_bytes = 0;
+  std::uint64_t step = 0;   // synthetic optimizer steps applied
+  std::uint64_t shard_bytes = 0;
+  std::uint64_t peak_materialized_bytes = 0; // most packed bytes held before a transfer freed them
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, rank_info& x) {
+  return f(caf::meta::type_name("rank_info"), x.rank, x.world, x.device, x.device_uuid,
+           x.free_bytes, x.step, x.shard_bytes, x.peak_materialized_bytes);
+}
+
+// Sent to every rank before any materialization: each rank re-plans from its own model
+// config and checks the result against this (validation point 1).
+struct publication_spec {
+  std::string publication_id;
+  std::uint64_t model_version = 0;
+  std::string manifest_fingerprint;
+  std::uint64_t tensor_count = 0;
+  std::uint64_t buffer_bytes = 0;
+  std::uint32_t buffer_count = 0;
+  std::uint32_t chunk_count = 0;
+  std::uint32_t world = 0;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, publication_spec& x) {
+  return f(caf::meta::type_name("publication_spec"), x.publication_id, x.model_version,
+           x.manifest_fingerprint, x.tensor_count, x.buffer_bytes, x.buffer_count,
+           x.chunk_count, x.world);
+}
+
+// The committed result, handed to every rank (validation point 7) and to the caller.
+struct publication_result {
+  std::string publication_id;
+  std::uint64_t model_version = 0;
+  std::string manifest_fingerprint;
+  std::uint64_t tensors = 0;
+  std::uint64_t bytes = 0;
+  std::uint32_t chunks = 0;
+  std::uint32_t trainer_ranks = 0;
+  std::uint32_t tp = 0;
+  double seconds = 0;                 // first chunk requested -> version committed
+  std::uint64_t peak_buffer_bytes = 0;// packed-buffer bytes materialized at once (per rank)
+  std::vector<receipt> receipts;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, publication_result& x) {
+  return f(caf::meta::type_name("publication_result"), x.publication_id, x.model_version,
+           x.manifest_fingerprint, x.tensors, x.bytes, x.chunks, x.trainer_ranks, x.tp,
+           x.seconds, x.peak_buffer_bytes, x.receipts);
+}
+
+// SyncCoordinator's publication state machine (the seed's states).
+enum class publication_state : std::uint8_t {
+  idle = 0, initialized, started, loading, finalizing, committed, released, poisoned
+};
+const char* to_string(publication_state s);
+
+struct coordinator_status {
+  std::uint8_t state = 0;                // publication_state
+  std::uint64_t committed_version = 0;
+  std::string publication_id;            // current or last
+  std::uint64_t publications = 0;        // committed so far
+  std::uint64_t failures = 0;            // poisoned so far
+  std::string last_error;
+  std::vector<std::string> transitions;  // state names of the current/last publication, in order
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, coordinator_status& x) {
+  return f(caf::meta::type_name("coordinator_status"), x.state, x.committed_version,
+           x.publication_id, x.publications, x.failures, x.last_error, x.transitions);
 }
 
 // ------------------------------------------------------------------ rollout engine status
