@@ -1,0 +1,141 @@
+// In-process all-gather (see collective.hpp). One round = two rendezvous:
+//   1. arrival: every rank posts its items; when the last one arrives the round is committed.
+//      A rank that reaches its deadline before that abandons the round for everyone (the
+//      collective stays aborted until reset()), naming the ranks that did not arrive.
+//   2. copy: every rank copies every rank's shards into its own outputs (in parallel, outside
+//      the lock), then waits until all copies are done, because other ranks are still reading
+//      its shards. Once committed a round always runs to completion: every rank copies
+//      (or skips copying after a validation failure) and counts itself done, so this wait is
+//      bounded by the memcpy time and needs no deadline; an abort() that comes meanwhile is
+//      reported when the round ends.
+#include "runtime/publication/collective.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+
+namespace refit::publication {
+
+namespace {
+
+collective_status failure(std::uint32_t rank, const std::string& what) {
+  return {false, "all_gather rank " + std::to_string(rank) + ": " + what};
+}
+
+// Returns "" if every rank posted the same number of items with the same shard sizes and
+// usable pointers, else what differs. Every rank computes the same answer.
+std::string validate_posted(const std::vector<const std::vector<gather_item>*>& posted) {
+  const auto& reference = *posted[0];
+  for (std::size_t r = 0; r < posted.size(); ++r) {
+    const auto& items = *posted[r];
+    if (items.size() != reference.size())
+      return "rank 0 posted " + std::to_string(reference.size()) + " items, rank "
+             + std::to_string(r) + " posted " + std::to_string(items.size());
+    for (std::size_t i = 0; i < items.size(); ++i) {
+      if (items[i].shard_bytes != reference[i].shard_bytes)
+        return "item " + std::to_string(i) + ": rank 0 posted " + std::to_string(reference[i].shard_bytes)
+               + " shard bytes, rank " + std::to_string(r) + " posted "
+               + std::to_string(items[i].shard_bytes);
+      if (items[i].shard_bytes > 0 && (items[i].shard == nullptr || items[i].out == nullptr))
+        return "item " + std::to_string(i) + ": rank " + std::to_string(r)
+               + " posted a null shard or output pointer";
+    }
+  }
+  return {};
+}
+
+std::string missing_ranks_message(const std::vector<const std::vector<gather_item>*>& posted) {
+  std::string ranks;
+  std::size_t missing = 0;
+  for (std::size_t r = 0; r < posted.size(); ++r) {
+    if (posted[r] != nullptr)
+      continue;
+    ranks += (missing++ == 0 ? "" : ", ") + std::to_string(r);
+  }
+  return (missing == 1 ? "rank " : "ranks ") + ranks + " did not arrive within the deadline";
+}
+
+} // namespace
+
+local_collective::local_collective(std::uint32_t world) : world_(world), posted_(world, nullptr) {
+  if (world == 0)
+    throw std::invalid_argument("local_collective: world must be >= 1");
+}
+
+collective_status local_collective::all_gather(std::uint32_t rank,
+                                               const std::vector<gather_item>& items,
+                                               std::chrono::steady_clock::time_point deadline) {
+  std::unique_lock lock(mtx_);
+  if (rank >= world_)
+    return failure(rank, "rank is out of range for world " + std::to_string(world_));
+  if (aborted_)
+    return failure(rank, "collective aborted: " + abort_reason_);
+  if (posted_[rank] != nullptr)
+    return failure(rank, "rank is already inside all_gather round " + std::to_string(generation_));
+
+  const std::uint64_t round = generation_;
+  posted_[rank] = &items;
+  if (++arrived_ == world_) {
+    cv_.notify_all();
+  } else if (!cv_.wait_until(lock, deadline, [&] { return arrived_ == world_ || aborted_; })) {
+    aborted_ = true;
+    abort_reason_ = missing_ranks_message(posted_) + " (round " + std::to_string(round) + ")";
+    cv_.notify_all();
+    return failure(rank, abort_reason_);
+  }
+  if (arrived_ != world_) // aborted before the round was committed: abandoned
+    return failure(rank, "collective aborted: " + abort_reason_);
+
+  // Committed: posted_ stays unchanged until every rank has counted itself done below.
+  const auto posted = posted_;
+  const std::string mismatch = validate_posted(posted);
+  lock.unlock();
+  if (mismatch.empty()) {
+    for (std::size_t i = 0; i < items.size(); ++i) {
+      const std::uint64_t shard_bytes = items[i].shard_bytes;
+      for (std::uint32_t src = 0; src < world_; ++src) {
+        const std::byte* from = (*posted[src])[i].shard;
+        std::byte* to = items[i].out + src * shard_bytes;
+        if (shard_bytes > 0 && from != to) // an in-place shard already sits at its output
+          std::memcpy(to, from, shard_bytes);
+      }
+    }
+  }
+  lock.lock();
+
+  if (++copied_ == world_) {
+    ++generation_;
+    arrived_ = 0;
+    copied_ = 0;
+    std::fill(posted_.begin(), posted_.end(), nullptr);
+    cv_.notify_all();
+  } else {
+    cv_.wait(lock, [&] { return generation_ != round; });
+  }
+  if (!mismatch.empty())
+    return failure(rank, "ranks disagree on the items of round " + std::to_string(round) + ": "
+                             + mismatch);
+  if (aborted_)
+    return failure(rank, "collective aborted: " + abort_reason_);
+  return {};
+}
+
+void local_collective::abort(const std::string& reason) {
+  std::lock_guard lock(mtx_);
+  if (!aborted_) {
+    aborted_ = true;
+    abort_reason_ = reason;
+  }
+  cv_.notify_all();
+}
+
+void local_collective::reset() {
+  std::lock_guard lock(mtx_);
+  aborted_ = false;
+  abort_reason_.clear();
+  arrived_ = 0;
+  copied_ = 0;
+  std::fill(posted_.begin(), posted_.end(), nullptr);
+}
+
+} // namespace refit::publication

@@ -1,0 +1,64 @@
+// The collective a trainer rank uses to materialize full tensors from dim-0 shards. One call
+// per chunk (grouped, never one per tensor): every rank passes the same items in the same
+// order; item i's output (world * shard_bytes) receives rank 0's shard, then rank 1's, ...
+// The CPU implementation (local_collective) connects ranks that live in one process; the
+// GPU build backs the same interface with NCCL.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace refit::publication {
+
+struct gather_item {
+  const std::byte* shard = nullptr;
+  std::uint64_t shard_bytes = 0; // identical on every rank
+  std::byte* out = nullptr;      // world * shard_bytes
+};
+
+struct collective_status {
+  bool ok = true;
+  std::string error; // which rank / what failed
+};
+
+class collective {
+public:
+  virtual ~collective() = default;
+  virtual std::uint32_t world() const = 0;
+  // Blocking; returns an error (never hangs) when a rank does not arrive before `deadline`,
+  // when ranks disagree on the items' sizes, or after abort().
+  virtual collective_status all_gather(std::uint32_t rank, const std::vector<gather_item>& items,
+                                       std::chrono::steady_clock::time_point deadline) = 0;
+  // Wakes every waiting rank with `reason`; later calls fail until reset().
+  virtual void abort(const std::string& reason) = 0;
+  virtual void reset() = 0;
+};
+
+// In-process all-gather for ranks that share an address space (threads).
+class local_collective final : public collective {
+public:
+  explicit local_collective(std::uint32_t world);
+  std::uint32_t world() const override { return world_; }
+  collective_status all_gather(std::uint32_t rank, const std::vector<gather_item>& items,
+                               std::chrono::steady_clock::time_point deadline) override;
+  void abort(const std::string& reason) override;
+  void reset() override;
+
+private:
+  std::uint32_t world_;
+  std::mutex mtx_;
+  std::condition_variable cv_;
+  std::uint64_t generation_ = 0;        // completed rounds
+  std::uint32_t arrived_ = 0;           // ranks in the current round's first barrier
+  std::uint32_t copied_ = 0;            // ranks done copying in the current round
+  std::vector<const std::vector<gather_item>*> posted_;
+  bool aborted_ = false;
+  std::string abort_reason_;
+};
+
+} // namespace refit::publication

@@ -1,0 +1,59 @@
+// Host (CPU) transport: packed buffers in anonymous shared memory (memfd). The producer (a
+// trainer rank) owns a pool of buffers; each is exported as a handle string
+// "memfd:<pid>:<fd>" that a consumer in another process opens through /proc/<pid>/fd/<fd>
+// and maps read-only. Because a memfd has no name in /dev/shm, no segment can outlive the
+// processes that use it, whatever way they die.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace refit::publication {
+
+class host_buffer_pool {
+public:
+  // Creates `count` buffers of `bytes` each (memfd + shared mapping, pages touched).
+  // Throws std::system_error on failure.
+  host_buffer_pool(std::uint32_t count, std::uint64_t bytes);
+  ~host_buffer_pool();
+  host_buffer_pool(const host_buffer_pool&) = delete;
+  host_buffer_pool& operator=(const host_buffer_pool&) = delete;
+
+  std::uint32_t count() const { return static_cast<std::uint32_t>(buffers_.size()); }
+  std::uint64_t bytes() const { return bytes_; }
+  std::byte* data(std::uint32_t i) const;
+  // "memfd:<pid>:<fd>" of buffer i.
+  std::string handle(std::uint32_t i) const;
+
+private:
+  struct buffer {
+    int fd = -1;
+    std::byte* addr = nullptr;
+  };
+  std::vector<buffer> buffers_;
+  std::uint64_t bytes_ = 0;
+};
+
+// Consumer side: one read-only mapping of a producer's buffer; unmapped on destruction.
+class mapped_buffer {
+public:
+  // Opens `handle` and maps `size` bytes. Throws std::runtime_error naming the handle if it
+  // is malformed, the producer or fd is gone, or the buffer is smaller than `size`.
+  mapped_buffer(const std::string& handle, std::uint64_t size);
+  ~mapped_buffer();
+  mapped_buffer(mapped_buffer&& other) noexcept;
+  mapped_buffer& operator=(mapped_buffer&& other) noexcept;
+  mapped_buffer(const mapped_buffer&) = delete;
+  mapped_buffer& operator=(const mapped_buffer&) = delete;
+
+  const std::byte* data() const { return addr_; }
+  std::uint64_t size() const { return size_; }
+
+private:
+  const std::byte* addr_ = nullptr;
+  std::uint64_t size_ = 0;
+};
+
+} // namespace refit::publication
