@@ -199,6 +199,7 @@ pb::PublicationHeader to_proto(const publication_header& x) {
   for (const auto& u : x.device_uuids)
     out.add_device_uuids(u);
   out.set_expected_tensor_count(x.expected_tensor_count);
+  out.set_verify(x.verify);
   return out;
 }
 
@@ -212,6 +213,7 @@ publication_header from_proto(const pb::PublicationHeader& x) {
   out.manifest_fingerprint = x.manifest_fingerprint();
   out.device_uuids.assign(x.device_uuids().begin(), x.device_uuids().end());
   out.expected_tensor_count = x.expected_tensor_count();
+  out.verify = x.verify();
   return out;
 }
 
@@ -290,6 +292,8 @@ commit_result from_proto(const pb::FinishWeightUpdateResult& x) {
     o.tp_rank = r.tp_rank();
     o.device_uuid = r.device_uuid();
     o.resident_tensor_count = r.resident_tensor_count();
+    for (const auto& c : r.checksums())
+      o.checksums.push_back(tensor_checksum{c.name(), c.sha256()});
     out.receipts.push_back(std::move(o));
   }
   return out;

@@ -4,7 +4,11 @@
 
 #include <chrono>
 #include <csignal>
+#include <cstring>
 #include <fcntl.h>
+#include <fstream>
+#include <functional>
+#include <memory>
 #include <optional>
 #include <poll.h>
 #include <stdexcept>
@@ -17,10 +21,12 @@
 #include "runtime/config.hpp"
 #include "runtime/device.hpp"
 #include "runtime/framing.hpp"
+#include "runtime/model/digest.hpp"
 #include "runtime/model/qwen3_moe.hpp"
 #include "runtime/process.hpp"
 #include "runtime/protocol.hpp"
 #include "runtime/protocol_version.hpp"
+#include "runtime/publication/host_buffer.hpp"
 
 namespace {
 
@@ -373,21 +379,15 @@ TEST(RuntimeChildMemory, RejectsInvalidWakeTags) {
 
 // ---------------------------------------------------------------------------- protocol
 
-TEST(RuntimeChildProtocol, UnbuiltCommandsAreUnsupported) {
+TEST(RuntimeChildProtocol, GenerateIsUnsupported) {
   runtime_child child(args_for(1));
-  for (pb::Command command :
-       {pb::COMMAND_GENERATE, pb::COMMAND_INIT_WEIGHT_TRANSFER, pb::COMMAND_START_WEIGHT_UPDATE,
-        pb::COMMAND_UPDATE_WEIGHTS, pb::COMMAND_FINISH_WEIGHT_UPDATE, pb::COMMAND_RELEASE_IPC}) {
-    const std::string name = refit::protocol::command_name(command);
-    SCOPED_TRACE(name);
-    auto req = child.request(command);
-    auto rsp = child.call(req);
-    EXPECT_EQ(rsp.request_id(), req.request_id());
-    EXPECT_EQ(rsp.command(), command);
-    expect_error(rsp, pb::ERROR_CODE_UNSUPPORTED, name);
-    EXPECT_NE(rsp.error().message().find(name + " is not supported"), std::string::npos)
-      << rsp.error().message();
-  }
+  auto req = child.request(pb::COMMAND_GENERATE);
+  auto rsp = child.call(req);
+  EXPECT_EQ(rsp.request_id(), req.request_id());
+  EXPECT_EQ(rsp.command(), pb::COMMAND_GENERATE);
+  expect_error(rsp, pb::ERROR_CODE_UNSUPPORTED, "generate");
+  EXPECT_NE(rsp.error().message().find("generate is not supported"), std::string::npos)
+    << rsp.error().message();
 }
 
 TEST(RuntimeChildProtocol, RejectsAnotherProtocolVersion) {
@@ -681,6 +681,648 @@ TEST_P(BadArgumentsTest, ExitsWithCode2NamingTheOption) {
 
 INSTANTIATE_TEST_SUITE_P(RuntimeChild, BadArgumentsTest,
                          ::testing::ValuesIn(bad_argument_cases()),
+                         [](const auto& info) { return info.param.name; });
+
+// ---------------------------------------------------------------------------- weight publication
+//
+// The test plays the trainer side: one host_buffer_pool per trainer rank holding the full
+// canonical tensors of a synthetic optimizer step, packed into chunks, published through
+// init / start / update... / finish / release. The expected resident bytes are computed
+// independently here (the same full tensors scattered through a tp_layout into zeroed
+// scratch residents) and compared with the receipts' SHA-256 checksums.
+
+namespace model = refit::model;
+
+constexpr std::uint64_t publication_buffer_bytes = 64u << 10; // several chunks for the tiny model
+constexpr std::uint32_t publication_buffer_count = 2;
+constexpr std::uint64_t pack_alignment = 256;
+constexpr std::uint64_t trainer_seed = 77;
+constexpr const char* refit_buffer_mapping = "memfd:refit-buffer";
+
+const model::model_config& tiny_config() {
+  static const model::model_config config = refit::config::parse_model_yaml(tiny_model, "test");
+  return config;
+}
+
+// Throws (failing the test with the runtime's error) unless `rsp` is ok.
+const pb::Response& require_ok(const pb::Response& rsp) {
+  if (!rsp.ok())
+    throw std::runtime_error(std::string(refit::protocol::command_name(rsp.command()))
+                             + " failed: " + pb::ErrorCode_Name(rsp.error().code()) + " at '"
+                             + rsp.error().where() + "': " + rsp.error().message());
+  return rsp;
+}
+
+// The full canonical tensors of the tiny model after `step` synthetic optimizer steps.
+struct canonical_weights {
+  std::vector<model::param_meta> params; // expected key stream order
+  std::vector<std::vector<std::byte>> bytes;
+};
+
+canonical_weights synthetic_canonical(std::uint64_t step) {
+  canonical_weights w;
+  w.params = model::expected_key_stream(tiny_config());
+  model::synthetic_weights synthetic;
+  synthetic.seed = trainer_seed;
+  for (const auto& p : w.params) {
+    std::vector<std::byte> bytes(p.nbytes());
+    model::fill_synthetic(p, synthetic, step, 0, p.numel(), bytes.data());
+    w.bytes.push_back(std::move(bytes));
+  }
+  return w;
+}
+
+// Hex SHA-256 of every resident tensor of every rank, in layout order, after scattering `w`
+// into zeroed scratch residents.
+std::vector<std::vector<std::string>> expected_checksums(const canonical_weights& w,
+                                                         std::uint32_t tp) {
+  const auto layout = tiny_layout(tp);
+  std::vector<std::vector<std::string>> checksums(tp);
+  for (std::uint32_t rank = 0; rank < tp; ++rank) {
+    std::vector<std::vector<std::byte>> residents;
+    std::vector<std::byte*> pointers;
+    for (const auto& r : layout.residents())
+      residents.emplace_back(r.nbytes, std::byte{0});
+    for (auto& r : residents)
+      pointers.push_back(r.data());
+    for (std::size_t i = 0; i < w.params.size(); ++i)
+      layout.scatter(w.params[i], w.bytes[i].data(), rank, pointers);
+    for (const auto& r : residents)
+      checksums[rank].push_back(model::sha256_hex(r.data(), r.size()));
+  }
+  return checksums;
+}
+
+// One packed chunk: the buffer it uses and (tensor index, byte offset) of its tensors.
+struct packed_chunk {
+  std::uint32_t buffer = 0;
+  std::vector<std::pair<std::size_t, std::uint64_t>> tensors;
+};
+
+// Greedy packing in key stream order at aligned offsets; chunks alternate between buffers.
+std::vector<packed_chunk> pack(const canonical_weights& w) {
+  std::vector<packed_chunk> chunks(1);
+  std::uint64_t used = 0;
+  for (std::size_t i = 0; i < w.params.size(); ++i) {
+    const std::uint64_t nbytes = w.params[i].nbytes();
+    std::uint64_t offset = (used + pack_alignment - 1) / pack_alignment * pack_alignment;
+    if (offset + nbytes > publication_buffer_bytes) {
+      packed_chunk next;
+      next.buffer = static_cast<std::uint32_t>(chunks.size() % publication_buffer_count);
+      chunks.push_back(next);
+      offset = 0;
+    }
+    chunks.back().tensors.emplace_back(i, offset);
+    used = offset + nbytes;
+  }
+  return chunks;
+}
+
+// The trainer side: one buffer pool per trainer rank r, whose handles are keyed by the
+// device UUID of TP worker r.
+class trainer_ranks {
+public:
+  explicit trainer_ranks(std::uint32_t tp) {
+    for (std::uint32_t rank = 0; rank < tp; ++rank)
+      pools_.push_back(std::make_unique<refit::publication::host_buffer_pool>(
+        publication_buffer_count, publication_buffer_bytes));
+  }
+
+  // Packs chunk `k` of `chunks` into its buffer on every rank and returns its request.
+  pb::UpdateWeightsRequest chunk(const canonical_weights& w,
+                                 const std::vector<packed_chunk>& chunks, std::size_t k,
+                                 const std::string& publication_id) const {
+    const packed_chunk& c = chunks[k];
+    pb::UpdateWeightsRequest req;
+    req.set_publication_id(publication_id);
+    req.set_chunk_index(static_cast<std::uint32_t>(k));
+    req.set_is_first(k == 0);
+    req.set_is_last(k + 1 == chunks.size());
+    for (const auto& [index, offset] : c.tensors) {
+      const auto& p = w.params[index];
+      auto* meta = req.add_tensors();
+      meta->set_name(p.name);
+      for (auto d : p.shape)
+        meta->add_shape(d);
+      meta->set_dtype(static_cast<pb::DType>(p.dt));
+      meta->set_offset(offset);
+      meta->set_nbytes(p.nbytes());
+      for (const auto& pool : pools_)
+        std::memcpy(pool->data(c.buffer) + offset, w.bytes[index].data(), p.nbytes());
+    }
+    for (std::uint32_t rank = 0; rank < pools_.size(); ++rank) {
+      auto* handle = req.add_handles();
+      handle->set_device_uuid(refit::device::cpu_uuid(static_cast<int>(rank)));
+      handle->set_buffer_index(c.buffer);
+      handle->set_handle(pools_[rank]->handle(c.buffer));
+      handle->set_size(pools_[rank]->bytes());
+    }
+    return req;
+  }
+
+private:
+  std::vector<std::unique_ptr<refit::publication::host_buffer_pool>> pools_;
+};
+
+pb::PublicationHeader publication_header(std::uint32_t tp, std::uint64_t model_version,
+                                         const std::string& publication_id) {
+  const auto stream = model::expected_key_stream(tiny_config());
+  pb::PublicationHeader h;
+  h.set_protocol_version(refit::wire::protocol_version);
+  h.set_transport("shm");
+  h.set_publication_id(publication_id);
+  h.set_model_version(model_version);
+  h.set_tp_world_size(tp);
+  h.set_manifest_fingerprint(model::structural_manifest(stream));
+  for (std::uint32_t rank = 0; rank < tp; ++rank)
+    h.add_device_uuids(refit::device::cpu_uuid(static_cast<int>(rank)));
+  h.set_expected_tensor_count(stream.size());
+  h.set_verify(true);
+  return h;
+}
+
+pb::Response init_transfer(runtime_child& child, const std::string& transport = "shm",
+                           std::uint64_t buffer_bytes = publication_buffer_bytes,
+                           std::uint32_t buffer_count = publication_buffer_count) {
+  auto req = child.request(pb::COMMAND_INIT_WEIGHT_TRANSFER);
+  req.mutable_init_weight_transfer()->set_transport(transport);
+  req.mutable_init_weight_transfer()->set_buffer_bytes(buffer_bytes);
+  req.mutable_init_weight_transfer()->set_buffer_count(buffer_count);
+  return child.call(req);
+}
+
+pb::Response start_update(runtime_child& child, const pb::PublicationHeader& header) {
+  auto req = child.request(pb::COMMAND_START_WEIGHT_UPDATE);
+  *req.mutable_start_weight_update()->mutable_header() = header;
+  return child.call(req);
+}
+
+pb::Response update_weights(runtime_child& child, const pb::UpdateWeightsRequest& chunk) {
+  auto req = child.request(pb::COMMAND_UPDATE_WEIGHTS);
+  *req.mutable_update_weights() = chunk;
+  return child.call(req);
+}
+
+pb::Response finish_update(runtime_child& child, const std::string& publication_id,
+                           std::uint64_t model_version) {
+  auto req = child.request(pb::COMMAND_FINISH_WEIGHT_UPDATE);
+  req.mutable_finish_weight_update()->set_publication_id(publication_id);
+  req.mutable_finish_weight_update()->set_model_version(model_version);
+  return child.call(req);
+}
+
+pb::Response release_ipc(runtime_child& child, const std::string& publication_id) {
+  auto req = child.request(pb::COMMAND_RELEASE_IPC);
+  req.mutable_release_ipc()->set_publication_id(publication_id);
+  return child.call(req);
+}
+
+// Sends every chunk of `w` (answers must be ok) for the started publication `header`.
+void send_all_chunks(runtime_child& child, const trainer_ranks& trainer,
+                     const canonical_weights& w, const pb::PublicationHeader& header) {
+  const auto chunks = pack(w);
+  for (std::size_t k = 0; k < chunks.size(); ++k) {
+    const auto rsp = require_ok(update_weights(
+      child, trainer.chunk(w, chunks, k, header.publication_id())));
+    EXPECT_EQ(rsp.update_weights().chunk_index(), k);
+    EXPECT_EQ(rsp.update_weights().tensors_loaded(), chunks[k].tensors.size());
+  }
+}
+
+// init + start + every chunk + finish; returns the finish result.
+pb::FinishWeightUpdateResult publish(runtime_child& child, const trainer_ranks& trainer,
+                                     const canonical_weights& w,
+                                     const pb::PublicationHeader& header) {
+  EXPECT_EQ(require_ok(init_transfer(child)).init_weight_transfer().transport(), "shm");
+  EXPECT_EQ(require_ok(start_update(child, header)).start_weight_update().publication_id(),
+            header.publication_id());
+  send_all_chunks(child, trainer, w, header);
+  return require_ok(finish_update(child, header.publication_id(), header.model_version()))
+    .finish_weight_update();
+}
+
+void expect_verified_receipts(const pb::FinishWeightUpdateResult& result,
+                              const pb::PublicationHeader& header,
+                              const std::vector<std::vector<std::string>>& expected) {
+  const auto layout = tiny_layout(header.tp_world_size());
+  EXPECT_EQ(result.publication_id(), header.publication_id());
+  EXPECT_EQ(result.model_version(), header.model_version());
+  EXPECT_TRUE(result.prefix_cache_reset());
+  ASSERT_EQ(result.receipts_size(), static_cast<int>(header.tp_world_size()));
+  for (std::uint32_t rank = 0; rank < header.tp_world_size(); ++rank) {
+    SCOPED_TRACE("rank " + std::to_string(rank));
+    const auto& receipt = result.receipts(static_cast<int>(rank));
+    EXPECT_EQ(receipt.publication_id(), header.publication_id());
+    EXPECT_EQ(receipt.model_version(), header.model_version());
+    EXPECT_EQ(receipt.tp_world_size(), header.tp_world_size());
+    EXPECT_EQ(receipt.manifest_fingerprint(), header.manifest_fingerprint());
+    EXPECT_EQ(receipt.tp_rank(), rank);
+    EXPECT_EQ(receipt.device_uuid(), refit::device::cpu_uuid(static_cast<int>(rank)));
+    EXPECT_EQ(receipt.resident_tensor_count(), layout.residents().size());
+    ASSERT_EQ(receipt.checksums_size(), static_cast<int>(layout.residents().size()));
+    for (std::size_t i = 0; i < layout.residents().size(); ++i) {
+      const auto& checksum = receipt.checksums(static_cast<int>(i));
+      EXPECT_EQ(checksum.name(), layout.residents()[i].name);
+      EXPECT_EQ(checksum.sha256(), expected[rank][i]) << checksum.name();
+    }
+  }
+}
+
+// Whether the child maps any producer buffer (host_buffer_pool memfds are "refit-buffer").
+bool maps_refit_buffers(pid_t pid) {
+  std::ifstream maps("/proc/" + std::to_string(pid) + "/maps");
+  std::string line;
+  while (std::getline(maps, line))
+    if (line.find(refit_buffer_mapping) != std::string::npos)
+      return true;
+  return false;
+}
+
+class PublicationTest : public ::testing::TestWithParam<std::uint32_t> {};
+
+TEST_P(PublicationTest, TwoVerifiedPublicationsAreByteExactAndReleaseUnmaps) {
+  const std::uint32_t tp = GetParam();
+  const auto layout = tiny_layout(tp);
+  runtime_child child(args_for(tp));
+  trainer_ranks trainer(tp);
+  ASSERT_EQ(child.describe().model_version(), 0u);
+  ASSERT_GE(pack(synthetic_canonical(1)).size(), 3u) << "the test must exercise both buffers";
+
+  std::vector<std::string> first_checksums;
+  for (std::uint64_t version : {1u, 2u}) {
+    SCOPED_TRACE("model version " + std::to_string(version));
+    const auto weights = synthetic_canonical(version); // synthetic step == version
+    const auto header = publication_header(tp, version, "pub-" + std::to_string(version));
+    const auto expected = expected_checksums(weights, tp);
+    expect_verified_receipts(publish(child, trainer, weights, header), header, expected);
+
+    const auto d = child.describe();
+    EXPECT_EQ(d.model_version(), version);
+    EXPECT_TRUE(d.weights_valid());
+    for (const auto& w : d.workers())
+      EXPECT_EQ(w.resident_tensor_count(), layout.residents().size());
+
+    EXPECT_TRUE(maps_refit_buffers(child.pid()));
+    const auto released = require_ok(release_ipc(child, header.publication_id()));
+    EXPECT_EQ(released.release_ipc().buffers_closed(), tp * publication_buffer_count);
+    EXPECT_FALSE(maps_refit_buffers(child.pid()));
+
+    if (version == 1)
+      first_checksums = expected[0];
+    else
+      EXPECT_NE(expected[0], first_checksums) << "the two steps must publish different bytes";
+  }
+
+  // The committed version is 2 now: a publication must exceed it.
+  ASSERT_TRUE(init_transfer(child).ok());
+  expect_error(start_update(child, publication_header(tp, 2, "pub-again")),
+               pb::ERROR_CODE_VALIDATION, "header.model_version");
+  EXPECT_EQ(child.describe().model_version(), 2u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Tp, PublicationTest, ::testing::Values(1u, 2u),
+                         [](const auto& info) { return "tp" + std::to_string(info.param); });
+
+TEST(Publication, MakesWeightsWokenFromSleepLevel2Valid) {
+  runtime_child child(args_for(2));
+  ASSERT_TRUE(child.sleep(2).ok());
+  expect_error(init_transfer(child), pb::ERROR_CODE_INVALID_STATE, "init_weight_transfer");
+  ASSERT_TRUE(child.wake_up({pb::WAKE_TAG_WEIGHTS}).ok());
+  ASSERT_FALSE(child.describe().weights_valid());
+
+  trainer_ranks trainer(2);
+  const auto weights = synthetic_canonical(3);
+  const auto header = publication_header(2, 1, "after-sleep");
+  expect_verified_receipts(publish(child, trainer, weights, header), header,
+                           expected_checksums(weights, 2));
+  ASSERT_TRUE(require_ok(release_ipc(child, header.publication_id())).ok());
+  ASSERT_TRUE(child.wake_up({pb::WAKE_TAG_KV_CACHE}).ok());
+  const auto d = child.describe();
+  EXPECT_TRUE(d.weights_valid());
+  EXPECT_EQ(d.model_version(), 1u);
+  EXPECT_EQ(d.sleep_level(), 0u);
+}
+
+TEST(Publication, SleepIsRefusedWhileAnUpdateIsOpen) {
+  runtime_child child(args_for(1));
+  trainer_ranks trainer(1);
+  const auto weights = synthetic_canonical(1);
+  const auto header = publication_header(1, 1, "pub-sleep");
+  ASSERT_TRUE(require_ok(init_transfer(child)).ok());
+  ASSERT_TRUE(require_ok(start_update(child, header)).ok());
+  const auto chunks = pack(weights);
+  ASSERT_TRUE(require_ok(update_weights(child, trainer.chunk(weights, chunks, 0, "pub-sleep"))).ok());
+
+  expect_error(child.sleep(1), pb::ERROR_CODE_INVALID_STATE, "sleep");
+  EXPECT_TRUE(child.describe().weights_awake());
+
+  for (std::size_t k = 1; k < chunks.size(); ++k)
+    ASSERT_TRUE(require_ok(update_weights(child, trainer.chunk(weights, chunks, k, "pub-sleep"))).ok());
+  expect_verified_receipts(
+    require_ok(finish_update(child, "pub-sleep", 1)).finish_weight_update(), header,
+    expected_checksums(weights, 1));
+  EXPECT_TRUE(child.sleep(1).ok()) << "sleep is allowed again once the update finished";
+}
+
+TEST(Publication, InitValidatesItsArguments) {
+  runtime_child child(args_for(1));
+  expect_error(init_transfer(child, "cuda_ipc"), pb::ERROR_CODE_INVALID_ARGUMENT,
+               "init_weight_transfer.transport");
+  expect_error(init_transfer(child, "shm", 0), pb::ERROR_CODE_INVALID_ARGUMENT,
+               "init_weight_transfer.buffer_bytes");
+  expect_error(init_transfer(child, "shm", publication_buffer_bytes, 0),
+               pb::ERROR_CODE_INVALID_ARGUMENT, "init_weight_transfer.buffer_count");
+
+  EXPECT_EQ(require_ok(init_transfer(child)).init_weight_transfer().transport(), "shm");
+  expect_error(init_transfer(child), pb::ERROR_CODE_INVALID_STATE, "init_weight_transfer");
+  EXPECT_EQ(require_ok(release_ipc(child, "")).release_ipc().buffers_closed(), 0u)
+    << "release after init without a publication";
+  EXPECT_TRUE(init_transfer(child).ok()) << "release clears the transfer";
+}
+
+TEST(Publication, CommandsNeedInitAndAnOpenPublication) {
+  runtime_child child(args_for(1));
+  expect_error(start_update(child, publication_header(1, 1, "p")), pb::ERROR_CODE_INVALID_STATE,
+               "start_weight_update");
+  pb::UpdateWeightsRequest chunk;
+  chunk.set_publication_id("p");
+  chunk.set_is_first(true);
+  expect_error(update_weights(child, chunk), pb::ERROR_CODE_INVALID_STATE, "update_weights");
+  expect_error(finish_update(child, "p", 1), pb::ERROR_CODE_INVALID_STATE, "finish_weight_update");
+  expect_error(release_ipc(child, "p"), pb::ERROR_CODE_INVALID_STATE, "release_ipc");
+
+  ASSERT_TRUE(init_transfer(child).ok());
+  expect_error(update_weights(child, chunk), pb::ERROR_CODE_INVALID_STATE, "update_weights");
+  const auto d = child.describe();
+  EXPECT_TRUE(d.weights_valid());
+  EXPECT_EQ(d.model_version(), 0u);
+}
+
+TEST(Publication, ASecondStartFailsThePublication) {
+  runtime_child child(args_for(1));
+  const auto header = publication_header(1, 1, "pub-twice");
+  ASSERT_TRUE(init_transfer(child).ok());
+  ASSERT_TRUE(require_ok(start_update(child, header)).ok());
+  EXPECT_FALSE(child.describe().weights_valid()) << "storage is being mutated";
+
+  auto rsp = start_update(child, header);
+  expect_error(rsp, pb::ERROR_CODE_INVALID_STATE, "start_weight_update");
+  EXPECT_NE(rsp.error().message().find("already called for publication 'pub-twice'"),
+            std::string::npos)
+    << rsp.error().message();
+
+  rsp = finish_update(child, "pub-twice", 1);
+  expect_error(rsp, pb::ERROR_CODE_INVALID_STATE, "finish_weight_update");
+  EXPECT_NE(rsp.error().message().find("publication 'pub-twice' failed"), std::string::npos)
+    << rsp.error().message();
+  expect_error(release_ipc(child, "pub-twice"), pb::ERROR_CODE_INVALID_STATE, "release_ipc");
+  const auto d = child.describe();
+  EXPECT_FALSE(d.weights_valid());
+  EXPECT_EQ(d.model_version(), 0u);
+}
+
+TEST(Publication, FinishWithAMissingTensorNamesItAndCommitsNothing) {
+  runtime_child child(args_for(2));
+  trainer_ranks trainer(2);
+  const auto weights = synthetic_canonical(1);
+  const auto header = publication_header(2, 1, "pub-missing");
+  const auto chunks = pack(weights);
+  const std::string missing = weights.params[chunks.back().tensors.back().first].name;
+  ASSERT_TRUE(init_transfer(child).ok());
+  ASSERT_TRUE(require_ok(start_update(child, header)).ok());
+  for (std::size_t k = 0; k < chunks.size(); ++k) {
+    auto chunk = trainer.chunk(weights, chunks, k, header.publication_id());
+    if (k + 1 == chunks.size())
+      chunk.mutable_tensors()->RemoveLast();
+    ASSERT_TRUE(require_ok(update_weights(child, chunk)).ok());
+  }
+
+  auto rsp = finish_update(child, header.publication_id(), 1);
+  expect_error(rsp, pb::ERROR_CODE_VALIDATION, missing);
+  EXPECT_NE(rsp.error().message().find("1 of " + std::to_string(weights.params.size())),
+            std::string::npos)
+    << rsp.error().message();
+  EXPECT_NE(rsp.error().message().find(missing), std::string::npos) << rsp.error().message();
+  const auto d = child.describe();
+  EXPECT_EQ(d.model_version(), 0u);
+  EXPECT_FALSE(d.weights_valid());
+  expect_error(finish_update(child, header.publication_id(), 1), pb::ERROR_CODE_INVALID_STATE,
+               "finish_weight_update");
+}
+
+TEST(Publication, FinishMustNameTheStartedVersion) {
+  runtime_child child(args_for(1));
+  trainer_ranks trainer(1);
+  const auto weights = synthetic_canonical(1);
+  const auto header = publication_header(1, 4, "pub-version");
+  ASSERT_TRUE(init_transfer(child).ok());
+  ASSERT_TRUE(require_ok(start_update(child, header)).ok());
+  send_all_chunks(child, trainer, weights, header);
+  expect_error(finish_update(child, header.publication_id(), 5), pb::ERROR_CODE_VALIDATION,
+               "finish_weight_update.model_version");
+  EXPECT_EQ(child.describe().model_version(), 0u);
+}
+
+TEST(Publication, ReleaseMustNameTheFinishedPublication) {
+  runtime_child child(args_for(1));
+  trainer_ranks trainer(1);
+  auto header = publication_header(1, 1, "pub-release");
+  header.set_verify(false);
+  const auto finished = publish(child, trainer, synthetic_canonical(1), header);
+  EXPECT_EQ(finished.model_version(), 1u);
+  ASSERT_EQ(finished.receipts_size(), 1);
+  EXPECT_EQ(finished.receipts(0).checksums_size(), 0) << "checksums only when verifying";
+  EXPECT_EQ(finished.receipts(0).resident_tensor_count(), tiny_layout(1).residents().size());
+  expect_error(release_ipc(child, "another"), pb::ERROR_CODE_INVALID_ARGUMENT,
+               "release_ipc.publication_id");
+  EXPECT_TRUE(maps_refit_buffers(child.pid()));
+  EXPECT_EQ(require_ok(release_ipc(child, "pub-release")).release_ipc().buffers_closed(),
+            publication_buffer_count);
+  EXPECT_FALSE(maps_refit_buffers(child.pid()));
+}
+
+// ---- header validation: each case in a fresh tp=2 runtime
+
+struct header_case {
+  std::string name;
+  std::function<void(pb::PublicationHeader&)> mutate;
+  std::string where;
+};
+
+std::vector<header_case> header_cases() {
+  return {
+    {"WrongFingerprint",
+     [](auto& h) { h.set_manifest_fingerprint(model::sha256_hex("other", 5)); },
+     "header.manifest_fingerprint"},
+    {"SwappedDeviceUuids",
+     [](auto& h) { h.mutable_device_uuids()->SwapElements(0, 1); }, "header.device_uuids"},
+    {"MissingDeviceUuid", [](auto& h) { h.mutable_device_uuids()->RemoveLast(); },
+     "header.device_uuids"},
+    {"TpMismatch", [](auto& h) { h.set_tp_world_size(1); }, "header.tp_world_size"},
+    {"VersionNotIncreasing", [](auto& h) { h.set_model_version(0); }, "header.model_version"},
+    {"WrongProtocolVersion", [](auto& h) { h.set_protocol_version(2); },
+     "header.protocol_version"},
+    {"WrongTensorCount",
+     [](auto& h) { h.set_expected_tensor_count(h.expected_tensor_count() + 1); },
+     "header.expected_tensor_count"},
+    {"OtherTransport", [](auto& h) { h.set_transport("cuda_ipc"); }, "header.transport"},
+    {"EmptyPublicationId", [](auto& h) { h.set_publication_id(""); }, "header.publication_id"},
+  };
+}
+
+class HeaderValidationTest : public ::testing::TestWithParam<header_case> {};
+
+TEST_P(HeaderValidationTest, StartAnswersValidationAndThePublicationStaysFailed) {
+  runtime_child child(args_for(2));
+  auto header = publication_header(2, 1, "pub-header");
+  GetParam().mutate(header);
+  ASSERT_TRUE(init_transfer(child).ok());
+  expect_error(start_update(child, header), pb::ERROR_CODE_VALIDATION, GetParam().where);
+
+  pb::UpdateWeightsRequest chunk;
+  chunk.set_publication_id(header.publication_id());
+  chunk.set_is_first(true);
+  auto rsp = update_weights(child, chunk);
+  expect_error(rsp, pb::ERROR_CODE_INVALID_STATE, "update_weights");
+  EXPECT_NE(rsp.error().message().find("failed"), std::string::npos) << rsp.error().message();
+  const auto d = child.describe();
+  EXPECT_EQ(d.model_version(), 0u);
+  EXPECT_TRUE(d.weights_valid()) << "a rejected header must not touch the weights";
+}
+
+INSTANTIATE_TEST_SUITE_P(Publication, HeaderValidationTest, ::testing::ValuesIn(header_cases()),
+                         [](const auto& info) { return info.param.name; });
+
+// ---- chunk validation: chunk 0 is loaded, then a broken chunk 1 fails the publication
+
+struct chunk_case {
+  std::string name;
+  // Breaks chunk 1 (`first` is the chunk 0 that was loaded); returns the expected `where`.
+  std::function<std::string(pb::UpdateWeightsRequest& chunk, const pb::UpdateWeightsRequest& first)>
+    mutate;
+  std::string message; // part of the error message
+  pb::ErrorCode code = pb::ERROR_CODE_VALIDATION;
+};
+
+std::vector<chunk_case> chunk_cases() {
+  return {
+    {"UnexpectedTensor",
+     [](auto& c, const auto&) {
+       c.mutable_tensors(0)->set_name("model.layers.7.mlp.gate.weight");
+       return std::string("model.layers.7.mlp.gate.weight");
+     },
+     "unexpected tensor"},
+    {"DuplicateTensorOfAnEarlierChunk",
+     [](auto& c, const auto& first) {
+       *c.add_tensors() = first.tensors(0);
+       return first.tensors(0).name();
+     },
+     "duplicate tensor: already loaded in chunk 0"},
+    {"DuplicateTensorInTheChunk",
+     [](auto& c, const auto&) {
+       *c.add_tensors() = c.tensors(0);
+       return c.tensors(0).name();
+     },
+     "duplicate tensor: already loaded in chunk 1"},
+    {"WrongShape",
+     [](auto& c, const auto&) {
+       auto* t = c.mutable_tensors(0);
+       std::swap(*t->mutable_shape()->Mutable(0), *t->mutable_shape()->Mutable(1));
+       return t->name();
+     },
+     "does not match the plan"},
+    {"WrongDtype",
+     [](auto& c, const auto&) {
+       c.mutable_tensors(0)->set_dtype(pb::DTYPE_FLOAT32);
+       return c.tensors(0).name();
+     },
+     "dtype DTYPE_FLOAT32 does not match the plan bfloat16"},
+    {"WrongNbytes",
+     [](auto& c, const auto&) {
+       c.mutable_tensors(0)->set_nbytes(c.tensors(0).nbytes() + 2);
+       return c.tensors(0).name();
+     },
+     "does not match the plan's"},
+    {"OffsetBeyondTheBuffer",
+     [](auto& c, const auto&) {
+       auto* t = c.mutable_tensors(0);
+       t->set_offset(c.handles(0).size() - t->nbytes() + 2);
+       return t->name();
+     },
+     "lie beyond the " + std::to_string(publication_buffer_bytes) + "-byte buffer"},
+    {"MissingHandleForAWorker",
+     [](auto& c, const auto&) {
+       c.mutable_handles()->RemoveLast(); // the handle of TP worker 1
+       return std::string("update_weights.handles");
+     },
+     "no buffer handle for device " + refit::device::cpu_uuid(1)},
+    {"OutOfOrderChunk",
+     [](auto& c, const auto&) {
+       c.set_chunk_index(2);
+       return std::string("update_weights.chunk_index");
+     },
+     "chunk 2 arrived, expected chunk 1"},
+    {"IsFirstOnALaterChunk",
+     [](auto& c, const auto&) {
+       c.set_is_first(true);
+       return std::string("update_weights.is_first");
+     },
+     "is_first is true on chunk 1"},
+    {"BufferIndexOutOfRange",
+     [](auto& c, const auto&) {
+       c.mutable_handles(1)->set_buffer_index(publication_buffer_count);
+       return std::string("update_weights.handles[1].buffer_index");
+     },
+     "buffer_index 2 is out of range"},
+    {"UnmappableHandle",
+     [](auto& c, const auto&) {
+       c.mutable_handles(1)->set_handle("memfd:" + std::to_string(::getpid()) + ":999999");
+       return std::string("worker[1]");
+     },
+     "TP worker 1: buffer handle 'memfd:", pb::ERROR_CODE_INTERNAL},
+    {"AnotherPublicationId",
+     [](auto& c, const auto&) {
+       c.set_publication_id("another");
+       return std::string("update_weights.publication_id");
+     },
+     "publication 'another' is not the open publication 'pub-chunks'",
+     pb::ERROR_CODE_INVALID_ARGUMENT},
+  };
+}
+
+class ChunkValidationTest : public ::testing::TestWithParam<chunk_case> {};
+
+TEST_P(ChunkValidationTest, UpdateAnswersTheErrorAndNothingCommits) {
+  runtime_child child(args_for(2));
+  trainer_ranks trainer(2);
+  const auto weights = synthetic_canonical(1);
+  const auto header = publication_header(2, 1, "pub-chunks");
+  const auto chunks = pack(weights);
+  ASSERT_TRUE(init_transfer(child).ok());
+  ASSERT_TRUE(require_ok(start_update(child, header)).ok());
+  const auto first = trainer.chunk(weights, chunks, 0, header.publication_id());
+  ASSERT_TRUE(require_ok(update_weights(child, first)).ok());
+
+  auto chunk = trainer.chunk(weights, chunks, 1, header.publication_id());
+  const std::string where = GetParam().mutate(chunk, first);
+  auto rsp = update_weights(child, chunk);
+  expect_error(rsp, GetParam().code, where);
+  EXPECT_NE(rsp.error().message().find(GetParam().message), std::string::npos)
+    << rsp.error().message();
+
+  // The publication is failed for good: even the intact chunk is refused now.
+  rsp = update_weights(child, trainer.chunk(weights, chunks, 1, header.publication_id()));
+  expect_error(rsp, pb::ERROR_CODE_INVALID_STATE, "update_weights");
+  EXPECT_NE(rsp.error().message().find("publication 'pub-chunks' failed"), std::string::npos)
+    << rsp.error().message();
+  expect_error(finish_update(child, header.publication_id(), 1), pb::ERROR_CODE_INVALID_STATE,
+               "finish_weight_update");
+  const auto d = child.describe();
+  EXPECT_EQ(d.model_version(), 0u);
+  EXPECT_FALSE(d.weights_valid());
+}
+
+INSTANTIATE_TEST_SUITE_P(Publication, ChunkValidationTest, ::testing::ValuesIn(chunk_cases()),
                          [](const auto& info) { return info.param.name; });
 
 } // namespace

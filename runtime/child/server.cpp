@@ -10,6 +10,7 @@
 #include <thread>
 #include <unistd.h>
 
+#include "runtime/child/command_error.hpp"
 #include "runtime/framing.hpp"
 #include "runtime/protocol.hpp"
 #include "runtime/protocol_version.hpp"
@@ -25,22 +26,6 @@ constexpr const char* runtime_version = "0.1.0";
 constexpr std::uint32_t wrong_protocol_version = 99;
 constexpr int fault_exit_code = 3;
 constexpr auto write_timeout = std::chrono::seconds(30);
-
-// A command that fails with a protocol error code; `where` names the field or component.
-struct command_error : std::runtime_error {
-  command_error(pb::ErrorCode code, std::string where, const std::string& message)
-    : std::runtime_error(message), code(code), where(std::move(where)) {}
-  pb::ErrorCode code;
-  std::string where;
-};
-
-// A worker job that threw; `where` is "worker[rank]".
-struct worker_failure : std::runtime_error {
-  worker_failure(std::uint32_t rank, const std::string& message)
-    : std::runtime_error("TP worker " + std::to_string(rank) + ": " + message),
-      where("worker[" + std::to_string(rank) + "]") {}
-  std::string where;
-};
 
 std::string payload_name(pb::Request::PayloadCase payload) {
   if (payload == pb::Request::PAYLOAD_NOT_SET)
@@ -163,14 +148,17 @@ fault_spec parse_fault(const std::string& text) {
   return fault;
 }
 
-server::server(server_options options) : options_(std::move(options)) {
-  const auto tp = static_cast<std::uint32_t>(options_.devices.size());
-  layout_ = std::make_shared<const model::tp_layout>(options_.model, tp);
+server::server(server_options options)
+  : options_(std::move(options)),
+    layout_(std::make_shared<const model::tp_layout>(
+      options_.model, static_cast<std::uint32_t>(options_.devices.size()))),
+    transfer_(options_.model, layout_, workers_) {
+  const std::uint32_t tp = layout_->tp();
   for (std::uint32_t rank = 0; rank < tp; ++rank)
     workers_.push_back(std::make_unique<worker>(rank, static_cast<int>(rank),
                                                 options_.devices[rank], layout_,
                                                 options_.kv_cache_bytes));
-  on_all_workers([](worker& w) {
+  on_all_workers(workers_, [](worker& w) {
     w.allocate_weights();
     w.allocate_kv_cache();
   });
@@ -196,27 +184,8 @@ void server::load_checkpoint() {
   for (const auto& param : model::expected_key_stream(options_.model)) {
     std::vector<std::byte> canonical(param.nbytes());
     model::fill_synthetic(param, synthetic, 0, 0, param.numel(), canonical.data());
-    on_all_workers([&](worker& w) { w.load_tensor(param, canonical.data()); });
+    on_all_workers(workers_, [&](worker& w) { w.load_tensor(param, canonical.data()); });
   }
-}
-
-void server::on_all_workers(const std::function<void(worker&)>& job) {
-  std::vector<std::future<void>> done;
-  done.reserve(workers_.size());
-  for (auto& w : workers_)
-    done.push_back(w->post(job));
-  // Wait for every worker, even after a failure, so no job outlives this call.
-  std::optional<worker_failure> first_failure;
-  for (std::uint32_t rank = 0; rank < done.size(); ++rank) {
-    try {
-      done[rank].get();
-    } catch (const std::exception& e) {
-      if (!first_failure)
-        first_failure.emplace(rank, e.what());
-    }
-  }
-  if (first_failure)
-    throw *first_failure;
 }
 
 int server::serve() {
@@ -307,12 +276,25 @@ pb::Response server::execute(const pb::Request& request) {
         *response.mutable_reset_prefix_cache() = reset_prefix_cache();
         break;
       case pb::COMMAND_SHUTDOWN: response.mutable_shutdown(); break;
-      case pb::COMMAND_GENERATE:
       case pb::COMMAND_INIT_WEIGHT_TRANSFER:
+        *response.mutable_init_weight_transfer() =
+          init_weight_transfer(request.init_weight_transfer());
+        break;
       case pb::COMMAND_START_WEIGHT_UPDATE:
+        *response.mutable_start_weight_update() =
+          start_weight_update(request.start_weight_update());
+        break;
       case pb::COMMAND_UPDATE_WEIGHTS:
+        *response.mutable_update_weights() = transfer_.update(request.update_weights());
+        break;
       case pb::COMMAND_FINISH_WEIGHT_UPDATE:
+        *response.mutable_finish_weight_update() =
+          finish_weight_update(request.finish_weight_update());
+        break;
       case pb::COMMAND_RELEASE_IPC:
+        *response.mutable_release_ipc() = transfer_.release(request.release_ipc());
+        break;
+      case pb::COMMAND_GENERATE:
         throw command_error(pb::ERROR_CODE_UNSUPPORTED, command_name(command),
                             command_name(command)
                               + " is not supported by this refit-runtime build yet");
@@ -415,9 +397,23 @@ bool server::send_raw(const std::string& bytes) {
   return true;
 }
 
-pb::DescribeResult server::describe() {
+std::vector<worker_report> server::worker_reports() {
   std::vector<worker_report> reports(workers_.size());
-  on_all_workers([&reports](worker& w) { reports[w.rank()] = w.report(); });
+  on_all_workers(workers_, [&reports](worker& w) { reports[w.rank()] = w.report(); });
+  return reports;
+}
+
+void server::require_weights_awake(const std::string& command) {
+  for (const auto& r : worker_reports())
+    if (!r.weights_resident)
+      throw command_error(pb::ERROR_CODE_INVALID_STATE, command,
+                          command + " needs resident weights, but TP worker "
+                            + std::to_string(r.rank) + " has none (sleep level "
+                            + std::to_string(sleep_level_) + "); wake_up the weights first");
+}
+
+pb::DescribeResult server::describe() {
+  const std::vector<worker_report> reports = worker_reports();
 
   pb::DescribeResult result;
   result.set_runtime_kind(runtime_kind);
@@ -448,15 +444,20 @@ pb::DescribeResult server::describe() {
 }
 
 pb::MemoryResult server::sleep(const pb::SleepRequest& request) {
+  if (const pb::PublicationHeader* open = transfer_.open_publication())
+    throw command_error(pb::ERROR_CODE_INVALID_STATE, "sleep",
+                        "cannot sleep while publication '" + open->publication_id()
+                          + "' is open (its weights are being written); finish_weight_update "
+                            "first");
   const std::uint32_t level = request.level();
   if (level == 1) {
-    on_all_workers([](worker& w) {
+    on_all_workers(workers_, [](worker& w) {
       w.offload_weights();
       w.free_kv_cache();
     });
   } else if (level == 2) {
     weights_valid_ = false;
-    on_all_workers([](worker& w) {
+    on_all_workers(workers_, [](worker& w) {
       w.discard_weights();
       w.free_kv_cache();
     });
@@ -488,13 +489,13 @@ pb::MemoryResult server::wake_up(const pb::WakeUpRequest& request) {
   }
   if (wake_weights) {
     std::vector<weights_wake> outcomes(workers_.size());
-    on_all_workers([&outcomes](worker& w) { outcomes[w.rank()] = w.wake_weights(); });
+    on_all_workers(workers_, [&outcomes](worker& w) { outcomes[w.rank()] = w.wake_weights(); });
     // Storage without a host backup is zero-filled: only a publication can make it valid.
     if (std::find(outcomes.begin(), outcomes.end(), weights_wake::zero_filled) != outcomes.end())
       weights_valid_ = false;
   }
   if (wake_kv_cache)
-    on_all_workers([](worker& w) { w.allocate_kv_cache(); });
+    on_all_workers(workers_, [](worker& w) { w.allocate_kv_cache(); });
 
   pb::MemoryResult result;
   *result.mutable_state() = describe();
@@ -509,6 +510,31 @@ pb::ResetPrefixCacheResult server::reset_prefix_cache() {
   pb::ResetPrefixCacheResult result;
   result.set_entries_dropped(prefix_cache_.size());
   prefix_cache_.clear();
+  return result;
+}
+
+pb::InitWeightTransferResult server::init_weight_transfer(
+  const pb::InitWeightTransferRequest& request) {
+  require_weights_awake("init_weight_transfer");
+  return transfer_.init(request);
+}
+
+pb::StartWeightUpdateResult server::start_weight_update(
+  const pb::StartWeightUpdateRequest& request) {
+  require_weights_awake("start_weight_update");
+  pb::StartWeightUpdateResult result = transfer_.start(request, model_version_);
+  // Resident storage is about to be overwritten: only a finished publication makes it valid.
+  weights_valid_ = false;
+  return result;
+}
+
+pb::FinishWeightUpdateResult server::finish_weight_update(
+  const pb::FinishWeightUpdateRequest& request) {
+  pb::FinishWeightUpdateResult result = transfer_.finish(request);
+  model_version_ = result.model_version();
+  weights_valid_ = true;
+  reset_prefix_cache();
+  result.set_prefix_cache_reset(true);
   return result;
 }
 

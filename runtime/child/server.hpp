@@ -1,11 +1,12 @@
 // The control server of refit-runtime: reads Request frames from the control socket,
 // dispatches each command to all TP workers (waiting for every one of them), and answers
-// with one Response per Request. Also applies the test-only faults of --fault.
+// with one Response per Request. Owns the runtime-wide state (sleep level, committed model
+// version, weight validity, prefix cache); weight publication runs through weight_transfer.
+// Also applies the test-only faults of --fault.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
-#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "messages/control.pb.h"
+#include "runtime/child/weight_transfer.hpp"
 #include "runtime/child/worker.hpp"
 #include "runtime/device.hpp"
 #include "runtime/model/qwen3_moe.hpp"
@@ -94,15 +96,23 @@ private:
   bool send_raw(const std::string& bytes);
 
   void load_checkpoint();
-  void on_all_workers(const std::function<void(worker&)>& job);
+  std::vector<worker_report> worker_reports();
+  // Throws INVALID_STATE naming `command` unless every worker's weights are resident.
+  void require_weights_awake(const std::string& command);
   pb::DescribeResult describe();
   pb::MemoryResult sleep(const pb::SleepRequest& request);
   pb::MemoryResult wake_up(const pb::WakeUpRequest& request);
   pb::ResetPrefixCacheResult reset_prefix_cache();
+  pb::InitWeightTransferResult init_weight_transfer(const pb::InitWeightTransferRequest& request);
+  // A started publication makes the weights invalid until it finishes.
+  pb::StartWeightUpdateResult start_weight_update(const pb::StartWeightUpdateRequest& request);
+  // Commits a validated publication: model version, valid weights, prefix cache reset.
+  pb::FinishWeightUpdateResult finish_weight_update(const pb::FinishWeightUpdateRequest& request);
 
   server_options options_;
-  std::shared_ptr<const model::tp_layout> layout_;
+  const std::shared_ptr<const model::tp_layout> layout_;
   std::vector<std::unique_ptr<worker>> workers_;
+  weight_transfer transfer_; // after workers_: refers to them
   std::uint32_t sleep_level_ = 0;
   bool weights_valid_ = false;
   std::uint64_t model_version_ = 0;

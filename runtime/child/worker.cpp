@@ -1,6 +1,10 @@
 #include "runtime/child/worker.hpp"
 
+#include <exception>
 #include <stdexcept>
+
+#include "runtime/child/command_error.hpp"
+#include "runtime/model/digest.hpp"
 
 namespace refit::child {
 
@@ -66,6 +70,7 @@ void worker::run() {
 }
 
 void worker::release_memory() {
+  mappings_.clear();
   resident_ptrs_.clear();
   weights_.reset();
   kv_cache_.reset();
@@ -146,6 +151,74 @@ worker_report worker::report() const {
   r.device_free_bytes = memory_->free_bytes();
   r.resident_tensors = weights_ ? resident_ptrs_.size() : 0;
   return r;
+}
+
+std::uint64_t worker::resident_tensor_count() const {
+  return weights_ ? resident_ptrs_.size() : 0;
+}
+
+std::vector<std::string> worker::resident_sha256() const {
+  require_weights_resident("hash the resident tensors");
+  std::vector<std::string> digests;
+  digests.reserve(resident_ptrs_.size());
+  const auto& residents = layout_->residents();
+  for (std::size_t i = 0; i < residents.size(); ++i)
+    digests.push_back(model::sha256_hex(resident_ptrs_[i], residents[i].nbytes));
+  return digests;
+}
+
+const publication::mapped_buffer* worker::find_mapping(const std::string& handle) const {
+  auto found = mappings_.find(handle);
+  return found == mappings_.end() ? nullptr : &found->second;
+}
+
+const publication::mapped_buffer& worker::map_buffer(const std::string& handle,
+                                                     std::uint64_t size) {
+  if (mappings_.count(handle) != 0)
+    throw std::logic_error("worker " + std::to_string(rank_) + ": buffer " + handle
+                           + " is mapped already");
+  return mappings_.emplace(handle, publication::mapped_buffer(handle, size)).first->second;
+}
+
+std::uint32_t worker::unmap_buffers() {
+  const auto count = static_cast<std::uint32_t>(mappings_.size());
+  mappings_.clear();
+  return count;
+}
+
+worker_failure::worker_failure(std::uint32_t rank, const std::string& message)
+  : std::runtime_error("TP worker " + std::to_string(rank) + ": " + message),
+    where("worker[" + std::to_string(rank) + "]") {}
+
+void on_all_workers(const std::vector<std::unique_ptr<worker>>& workers,
+                    const std::function<void(worker&)>& job) {
+  std::vector<std::future<void>> done;
+  done.reserve(workers.size());
+  for (const auto& w : workers)
+    done.push_back(w->post(job));
+  std::exception_ptr first_failure;
+  std::uint32_t failed_rank = 0;
+  for (std::uint32_t rank = 0; rank < done.size(); ++rank) {
+    try {
+      done[rank].get();
+    } catch (...) {
+      if (!first_failure) {
+        first_failure = std::current_exception();
+        failed_rank = rank;
+      }
+    }
+  }
+  if (!first_failure)
+    return;
+  try {
+    std::rethrow_exception(first_failure);
+  } catch (const command_error&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw worker_failure(failed_rank, e.what());
+  } catch (...) {
+    throw worker_failure(failed_rank, "unknown exception");
+  }
 }
 
 } // namespace refit::child

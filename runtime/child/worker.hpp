@@ -1,6 +1,7 @@
 // One TP worker of refit-runtime: a thread with its own job queue that owns one device's
 // memory: the resident weights (one region sliced into the resident tensors of the TP
-// layout), the KV cache, and the host backup that sleep level 1 parks weights in.
+// layout), the KV cache, the host backup that sleep level 1 parks weights in, and the
+// read-only mappings of the producer buffers a weight transfer publishes through.
 //
 // The server posts jobs with post(); every other member function runs on the worker's own
 // thread, from inside such a job (so a CUDA build can keep each worker bound to its device).
@@ -12,7 +13,9 @@
 #include <functional>
 #include <future>
 #include <memory>
+#include <map>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -20,6 +23,7 @@
 #include "runtime/child/device_memory.hpp"
 #include "runtime/device.hpp"
 #include "runtime/model/qwen3_moe.hpp"
+#include "runtime/publication/host_buffer.hpp"
 
 namespace refit::child {
 
@@ -54,6 +58,8 @@ public:
   std::future<void> post(std::function<void(worker&)> job);
 
   std::uint32_t rank() const { return rank_; }
+  // Physical identity of the worker's device (fixed at construction; any thread).
+  const std::string& device_uuid() const { return device_uuid_; }
 
   // ---- worker thread only ----
   // Allocates zero-filled weight storage unless it is resident.
@@ -70,6 +76,19 @@ public:
   // Wake: allocates weight storage if needed; a host backup is copied back and dropped.
   weights_wake wake_weights();
   worker_report report() const;
+  // Resident tensors held now (0 while the weights are not resident).
+  std::uint64_t resident_tensor_count() const;
+  // Hex SHA-256 of each resident tensor's bytes, in layout order (weights must be resident).
+  std::vector<std::string> resident_sha256() const;
+
+  // The mapping of producer buffer `handle`, or nullptr if this worker has not mapped it.
+  const publication::mapped_buffer* find_mapping(const std::string& handle) const;
+  // Maps `size` bytes of producer buffer `handle` read-only and keeps the mapping until
+  // unmap_buffers (a buffer is mapped once per transfer). Throws if it is mapped already.
+  const publication::mapped_buffer& map_buffer(const std::string& handle, std::uint64_t size);
+  std::size_t mapped_buffer_count() const { return mappings_.size(); }
+  // Unmaps every producer buffer; returns how many were mapped.
+  std::uint32_t unmap_buffers();
 
 private:
   void run();
@@ -88,6 +107,7 @@ private:
   std::vector<std::byte*> resident_ptrs_; // into weights_, one per resident tensor
   device_buffer kv_cache_;
   host_backup weights_backup_;
+  std::map<std::string, publication::mapped_buffer> mappings_; // by handle string
 
   std::mutex mutex_;
   std::condition_variable wakeup_;
@@ -95,5 +115,17 @@ private:
   bool stopping_ = false;
   std::thread thread_; // last: starts after everything above is initialized
 };
+
+// A worker job that threw something other than a command_error; `where` is "worker[rank]".
+struct worker_failure : std::runtime_error {
+  worker_failure(std::uint32_t rank, const std::string& message);
+  std::string where;
+};
+
+// Runs `job` on every worker in parallel and waits for all of them, even after a failure, so
+// no job outlives the call. Then rethrows the failure of the lowest failing rank: a
+// command_error unchanged, anything else as a worker_failure.
+void on_all_workers(const std::vector<std::unique_ptr<worker>>& workers,
+                    const std::function<void(worker&)>& job);
 
 } // namespace refit::child
