@@ -422,6 +422,57 @@ void read_supervisor(yaml_reader& r, const YAML::Node& node, const std::string& 
   });
 }
 
+void read_trainer_fault(yaml_reader& r, const YAML::Node& node, const std::string& path,
+                        trainer_fault& f) {
+  r.read_map(node, path, {
+    {"rank", [&](const YAML::Node& v, const std::string& p) { f.rank = r.u32(v, p); }, true},
+    {"kind", [&](const YAML::Node& v, const std::string& p) { f.kind = r.string(v, p); }, true},
+    {"tensor", [&](const YAML::Node& v, const std::string& p) { f.tensor = r.string(v, p); }},
+    {"chunk", [&](const YAML::Node& v, const std::string& p) { f.chunk = r.u32(v, p); }},
+  });
+}
+
+void read_trainer(yaml_reader& r, const YAML::Node& node, const std::string& path,
+                  trainer_config& t) {
+  r.read_map(node, path, {
+    {"devices",
+     [&](const YAML::Node& v, const std::string& p) {
+       t.devices.clear();
+       r.read_sequence(v, p, [&](const YAML::Node& element, const std::string& element_path) {
+         t.devices.push_back(r.string(element, element_path));
+       });
+     }},
+    {"lr", [&](const YAML::Node& v, const std::string& p) {
+       t.lr = static_cast<float>(r.number(v, p)); }},
+    {"init_scale", [&](const YAML::Node& v, const std::string& p) {
+       t.init_scale = static_cast<float>(r.number(v, p)); }},
+    {"faults",
+     [&](const YAML::Node& v, const std::string& p) {
+       t.faults.clear();
+       r.read_sequence(v, p, [&](const YAML::Node& element, const std::string& element_path) {
+         read_trainer_fault(r, element, element_path, t.faults.emplace_back());
+       });
+     }},
+  });
+}
+
+void read_publication(yaml_reader& r, const YAML::Node& node, const std::string& path,
+                      publication_config& pc) {
+  r.read_map(node, path, {
+    {"buffer_bytes",
+     [&](const YAML::Node& v, const std::string& p) { pc.buffer_bytes = r.u64(v, p); }},
+    {"buffer_count",
+     [&](const YAML::Node& v, const std::string& p) { pc.buffer_count = r.u32(v, p); }},
+    {"transport",
+     [&](const YAML::Node& v, const std::string& p) { pc.transport = r.string(v, p); }},
+    {"verify", [&](const YAML::Node& v, const std::string& p) { pc.verify = r.boolean(v, p); }},
+    {"gate_deadline_ms",
+     [&](const YAML::Node& v, const std::string& p) { pc.gate_deadline_ms = r.u32(v, p); }},
+    {"memory_headroom_bytes",
+     [&](const YAML::Node& v, const std::string& p) { pc.memory_headroom_bytes = r.u64(v, p); }},
+  });
+}
+
 void read_job(yaml_reader& r, const YAML::Node& node, const std::string& path, job_config& j) {
   r.read_map(node, path, {
     {"iterations",
@@ -500,6 +551,43 @@ void validate_config(const refit_config& cfg, const locator& locate) {
          std::to_string(sv.backoff_initial_ms) + " exceeds supervisor.backoff_max_ms ("
            + std::to_string(sv.backoff_max_ms) + ")");
 
+  const trainer_config& tr = cfg.trainer;
+  if (!tr.devices.empty() && tr.devices.size() != rt.tp_size)
+    fail("trainer.devices", "lists " + std::to_string(tr.devices.size())
+                              + " devices; one per trainer rank (runtime.tp_size "
+                              + std::to_string(rt.tp_size) + ") is required");
+  for (std::size_t i = 0; i < tr.devices.size(); ++i) {
+    const std::string key = index_path("trainer.devices", i);
+    try {
+      device::parse(tr.devices[i], key);
+    } catch (const std::invalid_argument& e) {
+      fail(key, without_prefix(e.what(), key));
+    }
+  }
+  if (!(tr.lr >= 0.0f && tr.lr <= 1.0f))
+    fail("trainer.lr", std::to_string(tr.lr) + " is out of range [0, 1]");
+  if (!(tr.init_scale > 0.0f && tr.init_scale <= 10.0f))
+    fail("trainer.init_scale", std::to_string(tr.init_scale) + " is out of range (0, 10]");
+  for (std::size_t i = 0; i < tr.faults.size(); ++i) {
+    const std::string key = index_path("trainer.faults", i);
+    const trainer_fault& f = tr.faults[i];
+    check_one_of(key + ".kind", f.kind,
+                 {"drop_tensor", "wrong_shape", "fail_materialize", "never_report",
+                  "wrong_manifest", "reject_final"});
+    if (f.rank >= rt.tp_size)
+      fail(key + ".rank", "rank " + std::to_string(f.rank) + " does not exist (runtime.tp_size "
+                            + std::to_string(rt.tp_size) + " trainer ranks)");
+    if ((f.kind == "drop_tensor" || f.kind == "wrong_shape") && f.tensor.empty())
+      fail(key + ".tensor", "a " + f.kind + " fault names the tensor");
+  }
+
+  const publication_config& pc = cfg.publication;
+  check_at_least("publication.buffer_bytes", pc.buffer_bytes, 4096);
+  check_range("publication.buffer_count", pc.buffer_count, 2, 16);
+  check_one_of("publication.transport", pc.transport, {"shm", "cuda_ipc"});
+  check_range("publication.gate_deadline_ms", pc.gate_deadline_ms, timeout_min_ms,
+              timeout_max_ms);
+
   check_at_least("job.iterations", cfg.job.iterations, 1);
 
   try {
@@ -526,6 +614,10 @@ refit_config parse_yaml(const std::string& text, const std::string& origin) {
      [&](const YAML::Node& v, const std::string& p) { read_runtime(r, v, p, cfg.runtime); }},
     {"supervisor",
      [&](const YAML::Node& v, const std::string& p) { read_supervisor(r, v, p, cfg.supervisor); }},
+    {"trainer",
+     [&](const YAML::Node& v, const std::string& p) { read_trainer(r, v, p, cfg.trainer); }},
+    {"publication", [&](const YAML::Node& v, const std::string& p) {
+       read_publication(r, v, p, cfg.publication); }},
     {"job", [&](const YAML::Node& v, const std::string& p) { read_job(r, v, p, cfg.job); }},
   });
   validate_config(cfg, [&r](const std::string& key) { return r.locate(key); });

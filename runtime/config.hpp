@@ -63,6 +63,33 @@ struct supervisor_config {
   std::uint32_t restart_window_ms = 60000; // restarts older than this are forgiven
 };
 
+// A test-only fault of one trainer rank's exporter (see trainer.faults in configs/).
+struct trainer_fault {
+  std::uint32_t rank = 0;
+  std::string kind;        // drop_tensor | wrong_shape | fail_materialize | never_report |
+                           // wrong_manifest | reject_final
+  std::string tensor;      // drop_tensor / wrong_shape: canonical tensor name
+  std::uint32_t chunk = 0; // fail_materialize / never_report: chunk index
+};
+
+// Trainer ranks: one per device of runtime.devices (colocated: rank r and TP worker r share
+// device r). Weights are synthetic: seeded init (job.seed) plus `lr * noise` per step.
+struct trainer_config {
+  std::vector<std::string> devices; // rank r's device; empty = runtime.devices (colocated)
+  float lr = 1e-3f;
+  float init_scale = 0.02f;
+  std::vector<trainer_fault> faults; // test-only
+};
+
+struct publication_config {
+  std::uint64_t buffer_bytes = 4u << 20;    // one packed buffer per rank
+  std::uint32_t buffer_count = 2;
+  std::string transport = "shm";            // shm (host) | cuda_ipc (GPU build)
+  bool verify = false;                      // byte-exact verifier after commit
+  std::uint32_t gate_deadline_ms = 30000;   // a rank missing a phase by then fails it
+  std::uint64_t memory_headroom_bytes = 64u << 20;
+};
+
 struct job_config {
   std::uint32_t iterations = 3;
   std::uint64_t seed = 1234;
@@ -72,6 +99,8 @@ struct refit_config {
   model::model_config model;
   runtime_config runtime;
   supervisor_config supervisor;
+  trainer_config trainer;
+  publication_config publication;
   job_config job;
 };
 

@@ -206,7 +206,7 @@ TEST(ConfigParse, ReadsEveryRuntimeSupervisorAndJobKey) {
 
 TEST(ConfigKeys, UnknownTopLevelKey) {
   expect_error(tiny_model + "jobs: {iterations: 2}\n", "jobs",
-               "unknown key (known keys: model, runtime, supervisor, job)");
+               "unknown key (known keys: model, runtime, supervisor, trainer, publication, job)");
 }
 
 TEST(ConfigKeys, UnknownNestedKey) {
