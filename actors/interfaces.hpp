@@ -62,4 +62,35 @@ using rollout_supervisor_actor = caf::typed_actor<
   // Internal: the backoff timer.
   caf::reacts_to<restart_atom>>;
 
+// TrainerRank: one per trainer rank. Owns the rank's FSDP dim-0 shards, materializes exactly
+// one planned chunk at a time into its packed buffer (through the collective, on a worker
+// thread it owns) and reports every phase to the ConsensusGate.
+using trainer_rank_actor = caf::typed_actor<
+  caf::replies_to<describe_atom>::with<rank_info>,
+  // One synthetic optimizer step on every shard; answers the new step number.
+  caf::replies_to<step_atom>::with<std::uint64_t>,
+  caf::reacts_to<prepare_atom, publication_spec>,
+  caf::reacts_to<materialize_atom, std::string, std::uint32_t>,
+  caf::reacts_to<transferred_atom, std::string, std::uint32_t>,
+  caf::reacts_to<manifest_atom, std::string>,
+  caf::reacts_to<final_atom, publication_result>,
+  // From the gate or the coordinator: the publication failed; drop buffers, wake the collective.
+  caf::reacts_to<abort_atom, gate_failure>>;
+
+// ConsensusGate: for each (publication, phase) collects every rank's report. The `open`
+// request is answered with all reports once every rank reported ok; any failure, or a rank
+// missing at the deadline, fails the request with the same (phase, rank, error) that every
+// rank receives as `abort`.
+using consensus_gate_actor = caf::typed_actor<
+  caf::replies_to<open_atom, phase_id, std::uint32_t, std::uint32_t>::with<std::vector<rank_report>>,
+  caf::reacts_to<report_atom, rank_report>,
+  caf::reacts_to<attach_atom, std::vector<trainer_rank_actor>>,
+  caf::reacts_to<deadline_atom, phase_id>>;
+
+// SyncCoordinator: the publication state machine (Idle -> Initialized -> Started -> Loading
+// -> Finalizing -> Committed -> Released -> Idle, Poisoned from every state).
+using sync_coordinator_actor = caf::typed_actor<
+  caf::replies_to<publish_atom, std::uint64_t>::with<publication_result>,
+  caf::replies_to<status_atom>::with<coordinator_status>>;
+
 } // namespace refit

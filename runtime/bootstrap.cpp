@@ -7,7 +7,10 @@
 #include <caf/stateful_actor.hpp>
 #include <caf/typed_event_based_actor.hpp>
 
+#include "actors/consensus_gate.hpp"
 #include "actors/rollout_engine.hpp"
+#include "actors/sync_coordinator.hpp"
+#include "actors/trainer_rank.hpp"
 #include "actors/runtime_proxy.hpp"
 
 namespace refit {
@@ -16,6 +19,7 @@ void configure(caf::actor_system_config& cfg) {
   cfg.add_message_types<caf::id_block::refit>();
   cfg.add_message_type<runtime_proxy_actor>("refit::runtime_proxy_actor");
   cfg.add_message_type<channel_message>("refit::channel_message");
+  cfg.add_message_type<trainer_rank_actor>("refit::trainer_rank_actor");
   cfg.add_error_category(caf::atom("refit"),
                          [](std::uint8_t code, caf::atom_value, const caf::message& ctx) {
                            return render(caf::error{code, caf::atom("refit"), ctx});
@@ -44,6 +48,48 @@ rollout_handles spawn_rollout(caf::actor_system& sys, const config::refit_config
   h.engine = sys.spawn(rollout_engine, eo);
   h.supervisor = sys.spawn(rollout_supervisor, cfg.supervisor, std::move(factory), h.engine);
   return h;
+}
+
+publication_handles spawn_publication(caf::actor_system& sys, const config::refit_config& cfg,
+                                      const rollout_engine_actor& engine) {
+  publication_handles h;
+  h.gate = sys.spawn(consensus_gate);
+  auto world = cfg.runtime.tp_size;
+  auto collectives = std::make_shared<publication::collective_registry>(world);
+  model::synthetic_weights weights{cfg.job.seed, cfg.trainer.lr, cfg.trainer.init_scale};
+  for (std::uint32_t r = 0; r < world; ++r) {
+    trainer_rank_options o;
+    o.rank = r;
+    o.world = world;
+    o.device = cfg.trainer.devices.empty() ? cfg.runtime.devices[r] : cfg.trainer.devices[r];
+    o.model = cfg.model;
+    o.weights = weights;
+    for (const auto& f : cfg.trainer.faults)
+      if (f.rank == r)
+        o.faults.push_back(f);
+    o.collectives = collectives;
+    o.gate = h.gate;
+    // Shorter than the gate's deadline, so a rank stuck in the collective reports which peer
+    // never arrived before the gate gives up on it.
+    o.collective_timeout_ms = cfg.publication.gate_deadline_ms * 9 / 10;
+    h.ranks.push_back(sys.spawn(trainer_rank, std::move(o)));
+  }
+  caf::anon_send(h.gate, attach_atom::value, h.ranks);
+  sync_coordinator_options so;
+  so.model = cfg.model;
+  so.publication = cfg.publication;
+  so.timeouts_ms = cfg.runtime.timeouts_ms;
+  so.kill_grace_ms = cfg.runtime.kill_grace_ms;
+  so.weights = weights;
+  h.coordinator = sys.spawn(sync_coordinator, so, engine, h.gate, h.ranks);
+  return h;
+}
+
+void shutdown_publication(const publication_handles& h) {
+  caf::anon_send_exit(h.coordinator, caf::exit_reason::user_shutdown);
+  caf::anon_send_exit(h.gate, caf::exit_reason::user_shutdown);
+  for (const auto& r : h.ranks)
+    caf::anon_send_exit(r, caf::exit_reason::user_shutdown);
 }
 
 bool wait_until_ready(caf::actor_system& sys, const rollout_engine_actor& engine,

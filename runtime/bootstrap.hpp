@@ -30,6 +30,18 @@ struct rollout_handles {
 rollout_handles spawn_rollout(caf::actor_system& sys, const config::refit_config& cfg,
                               proxy_factory factory);
 
+struct publication_handles {
+  consensus_gate_actor gate;
+  std::vector<trainer_rank_actor> ranks;
+  sync_coordinator_actor coordinator;
+};
+
+// Spawns the trainer side in this process: one TrainerRank per runtime device (rank r on
+// runtime.devices[r]), the ConsensusGate and the SyncCoordinator driving `engine`.
+publication_handles spawn_publication(caf::actor_system& sys, const config::refit_config& cfg,
+                                      const rollout_engine_actor& engine);
+void shutdown_publication(const publication_handles& h);
+
 // Blocks (from a non-actor thread) until the engine reports IDLE with a runtime attached, or
 // until `timeout`; returns the last status and whether it became ready.
 bool wait_until_ready(caf::actor_system& sys, const rollout_engine_actor& engine,

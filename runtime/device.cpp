@@ -55,4 +55,15 @@ std::string cpu_uuid(int index) {
   return buf;
 }
 
+std::uint64_t host_available_bytes() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  std::uint64_t kb = 0;
+  std::string unit;
+  while (in >> key >> kb >> unit)
+    if (key == "MemAvailable:")
+      return kb * 1024;
+  return 0;
+}
+
 } // namespace refit::device

@@ -23,4 +23,7 @@ std::string to_string(const spec& s);
 // host agree. CUDA devices are resolved by the CUDA build (GPU-... as NVML prints it).
 std::string cpu_uuid(int index);
 
+// MemAvailable from /proc/meminfo (bytes): the free memory a CPU device reports.
+std::uint64_t host_available_bytes();
+
 } // namespace refit::device

@@ -1,0 +1,120 @@
+#include "actors/consensus_gate.hpp"
+
+#include <caf/stateful_actor.hpp>
+#include <caf/typed_event_based_actor.hpp>
+
+namespace refit {
+
+using self_ptr = consensus_gate_actor::stateful_pointer<consensus_gate_state>;
+
+namespace {
+
+// Fails the whole publication of `phase`: the open request(s) get the error, every rank gets
+// the same gate_failure.
+void fail(self_ptr self, const phase_id& phase, std::uint32_t rank, const std::string& error) {
+  auto& st = self->state;
+  gate_failure g{phase, rank, error};
+  st.failed.insert(phase.publication_id);
+  auto err = make_refit_error(errc::gate_failed, to_string(phase),
+                              "rank " + std::to_string(rank) + ": " + error);
+  for (auto it = st.open.begin(); it != st.open.end();) {
+    if (it->first.publication_id == phase.publication_id) {
+      it->second.rp.deliver(err);
+      it = st.open.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  for (auto it = st.early.begin(); it != st.early.end();)
+    it = it->first.publication_id == phase.publication_id ? st.early.erase(it) : std::next(it);
+  for (const auto& r : st.ranks)
+    self->send(r, abort_atom::value, g);
+}
+
+void absorb(self_ptr self, const rank_report& r) {
+  auto& st = self->state;
+  auto it = st.open.find(r.phase);
+  if (it == st.open.end())
+    return;
+  auto& round = it->second;
+  if (r.rank >= round.world)
+    return fail(self, r.phase, r.rank,
+                "reported as rank " + std::to_string(r.rank) + " of a "
+                  + std::to_string(round.world) + "-rank publication");
+  if (!r.ok)
+    return fail(self, r.phase, r.rank, r.error);
+  if (!round.reports.emplace(r.rank, r).second)
+    return fail(self, r.phase, r.rank, "reported " + to_string(r.phase) + " twice");
+  if (round.reports.size() < round.world)
+    return;
+  std::vector<rank_report> all;
+  all.reserve(round.reports.size());
+  for (auto& [rank, rep] : round.reports)
+    all.push_back(std::move(rep));
+  round.rp.deliver(std::move(all));
+  st.open.erase(it);
+  ++st.passed;
+}
+
+} // namespace
+
+consensus_gate_actor::behavior_type consensus_gate(self_ptr self) {
+  return {
+    [=](attach_atom, std::vector<trainer_rank_actor>& ranks) {
+      self->state.ranks = std::move(ranks);
+    },
+    [=](open_atom, const phase_id& phase, std::uint32_t world,
+        std::uint32_t deadline_ms) -> caf::result<std::vector<rank_report>> {
+      auto& st = self->state;
+      if (st.failed.count(phase.publication_id))
+        return make_refit_error(errc::gate_failed, to_string(phase),
+                                "the publication already failed");
+      if (world == 0 || st.open.count(phase))
+        return make_refit_error(errc::invalid_argument, to_string(phase),
+                                world == 0 ? "a phase needs at least one rank"
+                                           : "this phase is already open");
+      auto rp = self->make_response_promise<std::vector<rank_report>>();
+      auto& round = st.open[phase];
+      round.world = world;
+      round.deadline_ms = deadline_ms;
+      round.rp = rp;
+      self->delayed_send(self, std::chrono::milliseconds(deadline_ms), deadline_atom::value,
+                         phase);
+      if (auto e = st.early.find(phase); e != st.early.end()) {
+        auto reports = std::move(e->second);
+        st.early.erase(e);
+        for (const auto& r : reports)
+          absorb(self, r);
+      }
+      return rp;
+    },
+    [=](report_atom, const rank_report& r) {
+      auto& st = self->state;
+      if (st.failed.count(r.phase.publication_id))
+        return;
+      if (!st.open.count(r.phase)) {
+        st.early[r.phase].push_back(r);
+        return;
+      }
+      absorb(self, r);
+    },
+    [=](deadline_atom, const phase_id& phase) {
+      auto& st = self->state;
+      auto it = st.open.find(phase);
+      if (it == st.open.end())
+        return; // passed or failed in time
+      std::vector<std::uint32_t> missing;
+      for (std::uint32_t r = 0; r < it->second.world; ++r)
+        if (!it->second.reports.count(r))
+          missing.push_back(r);
+      std::string who;
+      for (auto r : missing)
+        who += (who.empty() ? "" : ", ") + std::to_string(r);
+      fail(self, phase, missing.front(),
+           std::string(missing.size() == 1 ? "rank " : "ranks ") + who + " did not report "
+             + to_string(phase) + " within " + std::to_string(it->second.deadline_ms) + " ms");
+    },
+  };
+}
+
+} // namespace refit

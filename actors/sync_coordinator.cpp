@@ -1,0 +1,489 @@
+#include "actors/sync_coordinator.hpp"
+
+#include <algorithm>
+#include <random>
+
+#include <caf/actor_cast.hpp>
+#include <caf/send.hpp>
+#include <caf/stateful_actor.hpp>
+#include <caf/typed_event_based_actor.hpp>
+
+#include "runtime/model/digest.hpp"
+#include "runtime/protocol_version.hpp"
+#include "runtime/publication/shard.hpp"
+
+namespace refit {
+
+using self_ptr = sync_coordinator_impl::stateful_pointer<sync_coordinator_state>;
+using clock_type = std::chrono::steady_clock;
+
+coordinator_status sync_coordinator_state::status() const {
+  coordinator_status s;
+  s.state = static_cast<std::uint8_t>(state);
+  s.committed_version = committed_version;
+  s.publication_id = ctx ? ctx->id : std::string{};
+  s.publications = publications;
+  s.failures = failures;
+  s.last_error = last_error;
+  s.transitions = transitions;
+  return s;
+}
+
+std::vector<receipt> expected_resident_checksums(const model::model_config& model,
+                                                 std::uint32_t tp,
+                                                 const model::synthetic_weights& weights,
+                                                 std::uint64_t step) {
+  model::tp_layout layout(model, tp);
+  const auto& residents = layout.residents();
+  std::vector<std::vector<std::vector<std::byte>>> store(tp);
+  std::vector<std::vector<std::byte*>> ptrs(tp);
+  for (std::uint32_t r = 0; r < tp; ++r) {
+    for (const auto& spec : residents) {
+      store[r].emplace_back(spec.nbytes, std::byte{0});
+      ptrs[r].push_back(store[r].back().data());
+    }
+  }
+  for (const auto& p : model::expected_key_stream(model)) {
+    auto full = publication::full_tensor(p, weights, step);
+    for (std::uint32_t r = 0; r < tp; ++r)
+      layout.scatter(p, full.data(), r, ptrs[r]);
+  }
+  std::vector<receipt> out(tp);
+  for (std::uint32_t r = 0; r < tp; ++r) {
+    out[r].tp_rank = r;
+    for (std::size_t i = 0; i < residents.size(); ++i)
+      out[r].checksums.push_back(
+        tensor_checksum{residents[i].name, model::sha256_hex(ptrs[r][i], residents[i].nbytes)});
+  }
+  return out;
+}
+
+namespace {
+
+std::string random_publication_id() {
+  std::random_device rd;
+  std::uniform_int_distribution<std::uint32_t> dist;
+  char buf[40];
+  std::snprintf(buf, sizeof(buf), "pub-%08x%08x%08x%08x", dist(rd), dist(rd), dist(rd), dist(rd));
+  return buf;
+}
+
+void enter(self_ptr self, publication_state s) {
+  self->state.state = s;
+  self->state.transitions.emplace_back(to_string(s));
+}
+
+std::chrono::milliseconds engine_timeout(const sync_coordinator_state& st, std::uint32_t cmd_ms) {
+  // The engine's own bound (command + startup + kill grace + margin) plus a margin of ours.
+  return std::chrono::milliseconds(cmd_ms) + std::chrono::milliseconds(st.opts.timeouts_ms.startup)
+         + std::chrono::milliseconds(st.opts.kill_grace_ms) + std::chrono::seconds(10);
+}
+
+std::chrono::milliseconds gate_timeout(const sync_coordinator_state& st) {
+  return std::chrono::milliseconds(st.opts.publication.gate_deadline_ms) + std::chrono::seconds(5);
+}
+
+// Any failure: Poisoned. The runtime is poisoned (killed, restarted by its supervisor), every
+// rank drops its buffers, the caller gets `err`, and the coordinator is Idle again with the
+// committed version unchanged.
+void poison(self_ptr self, caf::error err) {
+  auto& st = self->state;
+  auto ctx = st.ctx;
+  if (!ctx || st.state == publication_state::poisoned)
+    return;
+  enter(self, publication_state::poisoned);
+  ++st.failures;
+  st.last_error = render(err);
+  gate_failure g{ctx->current, 0, st.last_error};
+  for (const auto& r : st.ranks)
+    self->send(r, abort_atom::value, g);
+  self->request(st.engine, engine_timeout(st, st.opts.timeouts_ms.shutdown), poison_atom::value,
+                "publication " + ctx->id + " failed: " + st.last_error)
+    .then([](engine_status&) {}, [](caf::error&) {});
+  ctx->rp.deliver(err);
+  st.ctx.reset();
+  enter(self, publication_state::idle);
+}
+
+// A response handler for `T` that runs `next` only if `ctx` is still the publication in
+// flight (a late answer for a poisoned publication is dropped).
+template <class T, class F>
+auto guarded(self_ptr self, std::shared_ptr<publication_ctx> ctx, F next) {
+  return [self, ctx, next](T& x) mutable {
+    if (self->state.ctx != ctx)
+      return;
+    next(x);
+  };
+}
+
+auto on_error(self_ptr self, std::shared_ptr<publication_ctx> ctx) {
+  return [self, ctx](caf::error& err) {
+    if (self->state.ctx == ctx)
+      poison(self, err);
+  };
+}
+
+// Opens the gate for `phase`, then tells every rank to do `xs...`; `next` gets all reports.
+template <class Next, class... Ts>
+void phase(self_ptr self, std::shared_ptr<publication_ctx> ctx, phase_kind kind,
+           std::uint32_t chunk, Next next, Ts... xs) {
+  auto& st = self->state;
+  ctx->current = phase_id{ctx->id, static_cast<std::uint8_t>(kind), chunk};
+  self->request(st.gate, gate_timeout(st), open_atom::value, ctx->current,
+                static_cast<std::uint32_t>(st.ranks.size()), st.opts.publication.gate_deadline_ms)
+    .then(guarded<std::vector<rank_report>>(self, ctx, next), on_error(self, ctx));
+  for (const auto& r : st.ranks)
+    self->send(r, xs...);
+}
+
+void release_and_finalize(self_ptr self, std::shared_ptr<publication_ctx> ctx);
+
+void check_verification(self_ptr self, std::shared_ptr<publication_ctx> ctx) {
+  if (!ctx->verify_error.empty())
+    return poison(self, make_refit_error(errc::verification_failed, "verifier", ctx->verify_error));
+  const auto& got = ctx->commit.receipts;
+  for (std::size_t r = 0; r < ctx->expected_checksums.size(); ++r) {
+    const auto& want = ctx->expected_checksums[r].checksums;
+    const auto& have = got[r].checksums;
+    if (have.size() != want.size())
+      return poison(self, make_refit_error(errc::verification_failed,
+                                           "receipts[" + std::to_string(r) + "].checksums",
+                                           std::to_string(have.size()) + " checksums, expected "
+                                             + std::to_string(want.size())));
+    for (std::size_t i = 0; i < want.size(); ++i)
+      if (have[i].name != want[i].name || have[i].sha256 != want[i].sha256)
+        return poison(self, make_refit_error(errc::verification_failed, want[i].name,
+                                             "TP worker " + std::to_string(r)
+                                               + " holds bytes that differ from the trainer's "
+                                                 "weights (sha256 "
+                                               + have[i].sha256.substr(0, 16) + " != "
+                                               + want[i].sha256.substr(0, 16) + ")"));
+  }
+  release_and_finalize(self, ctx);
+}
+
+void finish(self_ptr self, std::shared_ptr<publication_ctx> ctx) {
+  auto& st = self->state;
+  enter(self, publication_state::finalizing);
+  self->request(st.engine, engine_timeout(st, st.opts.timeouts_ms.finish_weight_update),
+                finish_upd_atom::value, finish_request{ctx->id, ctx->version})
+    .then(guarded<commit_result>(self, ctx,
+                  [self, ctx](commit_result& res) {
+                    auto& st = self->state;
+                    ctx->seconds = std::chrono::duration<double>(clock_type::now()
+                                                                 - ctx->first_chunk)
+                                     .count();
+                    ctx->commit = std::move(res);
+                    st.committed_version = ctx->version;
+                    enter(self, publication_state::committed);
+                    if (!ctx->verify)
+                      return release_and_finalize(self, ctx);
+                    if (ctx->verify_done)
+                      return check_verification(self, ctx);
+                    ctx->commit_waiting_for_verify = true;
+                  }),
+          on_error(self, ctx));
+}
+
+void release_and_finalize(self_ptr self, std::shared_ptr<publication_ctx> ctx) {
+  auto& st = self->state;
+  self->request(st.engine, engine_timeout(st, st.opts.timeouts_ms.release_ipc), release_atom::value)
+    .then(guarded<engine_status>(self, ctx,
+                  [self, ctx](engine_status&) {
+                    enter(self, publication_state::released);
+                    publication_result res;
+                    res.publication_id = ctx->id;
+                    res.model_version = ctx->version;
+                    res.manifest_fingerprint = ctx->fingerprint;
+                    res.tensors = ctx->expected.size();
+                    res.bytes = ctx->plan.total_tensor_bytes;
+                    res.chunks = static_cast<std::uint32_t>(ctx->plan.chunks.size());
+                    res.trainer_ranks = static_cast<std::uint32_t>(self->state.ranks.size());
+                    res.tp = ctx->runtime.tp_world_size;
+                    res.seconds = ctx->seconds;
+                    res.receipts = ctx->commit.receipts;
+                    // Validation point 7: every rank checks the committed result.
+                    phase(self, ctx, phase_kind::final, 0,
+                          [self, ctx, res](std::vector<rank_report>&) {
+                            auto& st = self->state;
+                            ++st.publications;
+                            auto out = res;
+                            out.peak_buffer_bytes = ctx->peak_bytes;
+                            ctx->rp.deliver(out);
+                            st.ctx.reset();
+                            enter(self, publication_state::idle);
+                          },
+                          final_atom::value, res);
+                  }),
+          on_error(self, ctx));
+}
+
+void check_manifests(self_ptr self, std::shared_ptr<publication_ctx> ctx) {
+  phase(self, ctx, phase_kind::manifest, 0,
+        [self, ctx](std::vector<rank_report>& reports) {
+          for (const auto& r : reports)
+            if (r.fingerprint != ctx->fingerprint || r.tensor_count != ctx->expected.size())
+              return poison(self, make_refit_error(
+                                    errc::manifest_mismatch, "rank " + std::to_string(r.rank),
+                                    "emitted " + std::to_string(r.tensor_count)
+                                      + " tensors with manifest " + r.fingerprint.substr(0, 16)
+                                      + ", the independent plan has "
+                                      + std::to_string(ctx->expected.size())
+                                      + " tensors with manifest "
+                                      + ctx->fingerprint.substr(0, 16)));
+          finish(self, ctx);
+        },
+        manifest_atom::value, ctx->id);
+}
+
+void load_chunk(self_ptr self, std::shared_ptr<publication_ctx> ctx, std::uint32_t k) {
+  if (k == ctx->plan.chunks.size())
+    return check_manifests(self, ctx);
+  if (k == 0) {
+    ctx->first_chunk = clock_type::now();
+    enter(self, publication_state::loading);
+  }
+  phase(self, ctx, phase_kind::materialize, k,
+        [self, ctx, k](std::vector<rank_report>& reports) {
+          auto& st = self->state;
+          weight_chunk chunk;
+          chunk.publication_id = ctx->id;
+          chunk.chunk_index = k;
+          chunk.is_first = k == 0;
+          chunk.is_last = k + 1 == ctx->plan.chunks.size();
+          chunk.tensors = reports.front().tensors;
+          for (const auto& t : chunk.tensors)
+            ctx->peak_bytes = std::max<std::uint64_t>(ctx->peak_bytes, t.offset + t.nbytes);
+          for (const auto& r : reports) {
+            if (r.tensors.size() != chunk.tensors.size()
+                || !std::equal(r.tensors.begin(), r.tensors.end(), chunk.tensors.begin(),
+                               [](const tensor_meta& a, const tensor_meta& b) {
+                                 return a.name == b.name && a.shape == b.shape
+                                        && a.dtype == b.dtype && a.offset == b.offset
+                                        && a.nbytes == b.nbytes;
+                               }))
+              return poison(self, make_refit_error(errc::gate_failed,
+                                                   "materialize[" + std::to_string(k) + "]",
+                                                   "rank " + std::to_string(r.rank)
+                                                     + " packed other tensors than rank 0"));
+            chunk.handles.insert(chunk.handles.end(), r.handles.begin(), r.handles.end());
+          }
+          self->request(st.engine, engine_timeout(st, st.opts.timeouts_ms.update_weights),
+                        update_atom::value, std::move(chunk))
+            .then(guarded<chunk_ack>(self, ctx,
+                          [self, ctx, k](chunk_ack&) {
+                            phase(self, ctx, phase_kind::transfer, k,
+                                  [self, ctx, k](std::vector<rank_report>&) {
+                                    load_chunk(self, ctx, k + 1);
+                                  },
+                                  transferred_atom::value, ctx->id, k);
+                          }),
+                  on_error(self, ctx));
+        },
+        materialize_atom::value, ctx->id, k);
+}
+
+void start_update(self_ptr self, std::shared_ptr<publication_ctx> ctx) {
+  auto& st = self->state;
+  const auto& pc = st.opts.publication;
+  self->request(st.engine, engine_timeout(st, st.opts.timeouts_ms.init_weight_transfer),
+                init_wt_atom::value, transfer_init{pc.transport, pc.buffer_bytes, pc.buffer_count})
+    .then(guarded<engine_status>(self, ctx,
+                  [self, ctx](engine_status&) {
+                    auto& st = self->state;
+                    enter(self, publication_state::initialized);
+                    self->request(st.engine,
+                                  engine_timeout(st, st.opts.timeouts_ms.start_weight_update),
+                                  start_upd_atom::value, ctx->header)
+                      .then(guarded<engine_status>(self, ctx,
+                                    [self, ctx](engine_status&) {
+                                      enter(self, publication_state::started);
+                                      load_chunk(self, ctx, 0);
+                                    }),
+                            on_error(self, ctx));
+                  }),
+          on_error(self, ctx));
+}
+
+// Preflight, before any materialization: topology, buffer fit, memory budget.
+caf::error preflight(const sync_coordinator_state& st, publication_ctx& ctx) {
+  auto bad = [](const std::string& where, const std::string& msg) {
+    return make_refit_error(errc::preflight_failed, where, msg);
+  };
+  const auto& d = ctx.runtime;
+  if (ctx.ranks.size() != d.tp_world_size)
+    return bad("world", std::to_string(ctx.ranks.size()) + " trainer ranks but the runtime has TP "
+                          + std::to_string(d.tp_world_size)
+                          + " (one TP worker per trainer rank is required)");
+  for (std::size_t r = 0; r < ctx.ranks.size(); ++r) {
+    const auto& ri = ctx.ranks[r];
+    if (ri.rank != r || ri.world != ctx.ranks.size())
+      return bad("rank " + std::to_string(r), "reports itself as rank " + std::to_string(ri.rank)
+                                                + " of " + std::to_string(ri.world));
+    if (ri.device_uuid != d.workers[r].device_uuid)
+      return bad("device_uuids[" + std::to_string(r) + "]",
+                 "trainer rank " + std::to_string(r) + " is on " + ri.device_uuid
+                   + " but TP worker " + std::to_string(r) + " is on " + d.workers[r].device_uuid);
+  }
+  if (!std::all_of(ctx.ranks.begin(), ctx.ranks.end(),
+                   [&](const rank_info& ri) { return ri.step == ctx.ranks.front().step; }))
+    return bad("step", "trainer ranks are at different optimizer steps");
+  const auto& pc = st.opts.publication;
+  try {
+    ctx.plan = publication::plan_chunks(ctx.expected, pc.buffer_bytes,
+                                        static_cast<std::uint32_t>(ctx.ranks.size()));
+  } catch (const model::model_error& e) {
+    return bad(e.where, std::string("does not fit the packed buffer: ") + e.what());
+  }
+  auto required = 3 * pc.buffer_bytes + ctx.plan.largest_tensor_bytes + pc.memory_headroom_bytes;
+  for (const auto& ri : ctx.ranks)
+    if (ri.free_bytes < required)
+      return bad("memory",
+                 "trainer rank " + std::to_string(ri.rank) + " has " + std::to_string(ri.free_bytes)
+                   + " free bytes; the publication needs " + std::to_string(required)
+                   + " (3 x buffer " + std::to_string(pc.buffer_bytes) + " + largest tensor "
+                   + std::to_string(ctx.plan.largest_tensor_bytes) + " + headroom "
+                   + std::to_string(pc.memory_headroom_bytes) + ")");
+  for (const auto& w : d.workers)
+    if (w.device_free_bytes != 0 && w.device_free_bytes < required)
+      return bad("memory", "TP worker " + std::to_string(w.rank) + " has "
+                             + std::to_string(w.device_free_bytes) + " free bytes; needs "
+                             + std::to_string(required));
+  return {};
+}
+
+void begin(self_ptr self, std::shared_ptr<publication_ctx> ctx) {
+  auto& st = self->state;
+  // Preflight inputs: the runtime's topology, then every rank's identity and memory.
+  self->request(st.engine, engine_timeout(st, st.opts.timeouts_ms.describe), describe_atom::value)
+    .then(guarded<runtime_description>(self, ctx,
+                  [self, ctx](runtime_description& d) {
+                    auto& st = self->state;
+                    ctx->runtime = std::move(d);
+                    ctx->ranks.assign(st.ranks.size(), rank_info{});
+                    auto pending = std::make_shared<std::size_t>(st.ranks.size());
+                    for (std::size_t r = 0; r < st.ranks.size(); ++r)
+                      self->request(st.ranks[r], gate_timeout(st), describe_atom::value)
+                        .then(guarded<rank_info>(self, ctx,
+                                      [self, ctx, pending, r](rank_info& info) {
+                                        ctx->ranks[r] = std::move(info);
+                                        if (--*pending > 0)
+                                          return;
+                                        if (auto err = preflight(self->state, *ctx))
+                                          return poison(self, err);
+                                        auto& st = self->state;
+                                        auto& h = ctx->header;
+                                        h.protocol_version = wire::protocol_version;
+                                        h.transport = st.opts.publication.transport;
+                                        h.publication_id = ctx->id;
+                                        h.model_version = ctx->version;
+                                        h.tp_world_size = ctx->runtime.tp_world_size;
+                                        h.manifest_fingerprint = ctx->fingerprint;
+                                        for (const auto& ri : ctx->ranks)
+                                          h.device_uuids.push_back(ri.device_uuid);
+                                        h.expected_tensor_count = ctx->expected.size();
+                                        h.verify = ctx->verify;
+                                        if (ctx->verify) {
+                                          // Expected checksums from the trainer's full weights,
+                                          // computed while the publication runs.
+                                          caf::actor_addr weak = self->address();
+                                          st.worker->post([weak, id = ctx->id,
+                                                           model = st.opts.model,
+                                                           tp = h.tp_world_size,
+                                                           w = st.opts.weights,
+                                                           step = ctx->ranks.front().step] {
+                                            std::vector<receipt> sums;
+                                            std::string error;
+                                            try {
+                                              sums = expected_resident_checksums(model, tp, w, step);
+                                            } catch (const std::exception& e) {
+                                              error = e.what();
+                                            }
+                                            if (auto hdl = caf::actor_cast<sync_coordinator_impl>(weak))
+                                              caf::anon_send(hdl, done_atom::value, id,
+                                                             std::move(sums), std::move(error));
+                                          });
+                                        }
+                                        publication_spec spec;
+                                        spec.publication_id = ctx->id;
+                                        spec.model_version = ctx->version;
+                                        spec.manifest_fingerprint = ctx->fingerprint;
+                                        spec.tensor_count = ctx->expected.size();
+                                        spec.buffer_bytes = st.opts.publication.buffer_bytes;
+                                        spec.buffer_count = st.opts.publication.buffer_count;
+                                        spec.chunk_count
+                                          = static_cast<std::uint32_t>(ctx->plan.chunks.size());
+                                        spec.world = static_cast<std::uint32_t>(st.ranks.size());
+                                        phase(self, ctx, phase_kind::prepare, 0,
+                                              [self, ctx](std::vector<rank_report>&) {
+                                                start_update(self, ctx);
+                                              },
+                                              prepare_atom::value, spec);
+                                      }),
+                              on_error(self, ctx));
+                  }),
+          on_error(self, ctx));
+}
+
+} // namespace
+
+sync_coordinator_impl::behavior_type
+sync_coordinator(self_ptr self, sync_coordinator_options opts, rollout_engine_actor engine,
+                 consensus_gate_actor gate, std::vector<trainer_rank_actor> ranks) {
+  auto& st = self->state;
+  st.opts = std::move(opts);
+  st.engine = std::move(engine);
+  st.gate = std::move(gate);
+  st.ranks = std::move(ranks);
+  st.worker = std::make_unique<worker_thread>();
+  return {
+    [=](publish_atom, std::uint64_t version) -> caf::result<publication_result> {
+      auto& st = self->state;
+      if (st.ctx)
+        return make_refit_error(errc::busy, "publish",
+                                "publication '" + st.ctx->id + "' is in progress");
+      if (version <= st.committed_version)
+        return make_refit_error(errc::invalid_argument, "publish.model_version",
+                                "model version " + std::to_string(version)
+                                  + " is not above the committed version "
+                                  + std::to_string(st.committed_version));
+      if (st.ranks.empty())
+        return make_refit_error(errc::invalid_state, "publish", "no trainer ranks");
+      auto ctx = std::make_shared<publication_ctx>();
+      ctx->id = random_publication_id();
+      ctx->version = version;
+      ctx->rp = self->make_response_promise<publication_result>();
+      ctx->verify = st.opts.publication.verify;
+      ctx->current = phase_id{ctx->id, static_cast<std::uint8_t>(phase_kind::prepare), 0};
+      st.transitions.clear();
+      st.transitions.emplace_back(to_string(publication_state::idle));
+      st.ctx = ctx;
+      try {
+        // The expected stream is planned from the config alone, independent of what the
+        // ranks will emit.
+        ctx->expected = model::expected_key_stream(st.opts.model);
+        ctx->fingerprint = model::structural_manifest(ctx->expected);
+      } catch (const model::model_error& e) {
+        auto rp = ctx->rp;
+        poison(self, make_refit_error(errc::preflight_failed, e.where, e.what()));
+        return rp;
+      }
+      begin(self, ctx);
+      return ctx->rp;
+    },
+    [=](status_atom) { return self->state.status(); },
+    [=](done_atom, const std::string& id, std::vector<receipt>& sums, const std::string& error) {
+      auto& st = self->state;
+      auto ctx = st.ctx;
+      if (!ctx || ctx->id != id)
+        return;
+      ctx->expected_checksums = std::move(sums);
+      ctx->verify_error = error;
+      ctx->verify_done = true;
+      if (ctx->commit_waiting_for_verify)
+        check_verification(self, ctx);
+    },
+  };
+}
+
+} // namespace refit

@@ -1,0 +1,91 @@
+// SyncCoordinator: the publication state machine
+//   Idle -> Initialized -> Started -> Loading -> Finalizing -> Committed -> Released -> Idle
+// and -> Poisoned from every state on any failure (the runtime is poisoned and killed; its
+// supervisor restarts it; nothing is retried on the same runtime, there is no fallback).
+// Per publication: preflight (topology, buffer fit, memory budget) before any
+// materialization; a metadata-first chunk plan; chunk by chunk materialize -> consensus ->
+// update_weights -> consensus; every rank's actual manifest == the expected one; finish
+// (receipts validated by runtime and engine), the optional byte-exact verifier, release, and
+// the final result checked by every rank.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "actors/interfaces.hpp"
+#include "runtime/config.hpp"
+#include "runtime/publication/chunk_plan.hpp"
+#include "runtime/worker_thread.hpp"
+
+namespace refit {
+
+struct sync_coordinator_options {
+  model::model_config model;
+  config::publication_config publication;
+  config::timeouts timeouts_ms;       // the runtime's per-command timeouts
+  std::uint32_t kill_grace_ms = 2000;
+  model::synthetic_weights weights;   // the trainer's weights (for the byte-exact verifier)
+};
+
+// Everything about the publication in flight.
+struct publication_ctx {
+  std::string id;
+  std::uint64_t version = 0;
+  caf::typed_response_promise<publication_result> rp;
+  std::vector<model::param_meta> expected;
+  std::string fingerprint;
+  publication::chunk_plan plan;
+  publication_header header;
+  runtime_description runtime;
+  std::vector<rank_info> ranks;
+  std::chrono::steady_clock::time_point first_chunk;
+  double seconds = 0;
+  std::uint64_t peak_bytes = 0;          // most packed bytes one rank held at once
+  commit_result commit;
+  bool verify = false;
+  bool verify_done = false;              // expected checksums computed
+  bool commit_waiting_for_verify = false;
+  std::vector<receipt> expected_checksums; // per TP rank, from the trainer's full weights
+  std::string verify_error;
+  phase_id current;                      // for error reports
+};
+
+using sync_coordinator_impl = sync_coordinator_actor::extend<
+  // The worker thread finished the verifier's expected checksums (or failed: error text).
+  caf::reacts_to<done_atom, std::string, std::vector<receipt>, std::string>>;
+
+struct sync_coordinator_state {
+  static inline const char* name = "SyncCoordinator";
+
+  sync_coordinator_options opts;
+  rollout_engine_actor engine;
+  consensus_gate_actor gate;
+  std::vector<trainer_rank_actor> ranks;
+  publication_state state = publication_state::idle;
+  std::uint64_t committed_version = 0;
+  std::uint64_t publications = 0;
+  std::uint64_t failures = 0;
+  std::string last_error;
+  std::vector<std::string> transitions;
+  std::shared_ptr<publication_ctx> ctx;
+  std::unique_ptr<worker_thread> worker; // last member: joined first
+
+  coordinator_status status() const;
+};
+
+sync_coordinator_impl::behavior_type
+sync_coordinator(sync_coordinator_impl::stateful_pointer<sync_coordinator_state> self,
+                 sync_coordinator_options opts, rollout_engine_actor engine,
+                 consensus_gate_actor gate, std::vector<trainer_rank_actor> ranks);
+
+// Expected resident checksums of every TP worker for synthetic weights at `step`: the
+// trainer's full tensors, sliced by the TP layout, hashed (blocking; worker threads only).
+std::vector<receipt> expected_resident_checksums(const model::model_config& model,
+                                                 std::uint32_t tp,
+                                                 const model::synthetic_weights& weights,
+                                                 std::uint64_t step);
+
+} // namespace refit

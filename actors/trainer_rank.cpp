@@ -1,0 +1,306 @@
+#include "actors/trainer_rank.hpp"
+
+#include <algorithm>
+
+#include <caf/actor_cast.hpp>
+#include <caf/send.hpp>
+#include <caf/stateful_actor.hpp>
+#include <caf/typed_event_based_actor.hpp>
+
+#include "runtime/device.hpp"
+
+namespace refit {
+
+using self_ptr = trainer_rank_impl::stateful_pointer<trainer_rank_state>;
+
+rank_info trainer_rank_state::info() const {
+  rank_info out;
+  out.rank = opts.rank;
+  out.world = opts.world;
+  out.device = opts.device;
+  out.device_uuid = uuid;
+  out.free_bytes = device::host_available_bytes();
+  out.step = step;
+  out.shard_bytes = shards ? shards->bytes() : 0;
+  out.peak_materialized_bytes = peak_materialized_bytes;
+  return out;
+}
+
+namespace {
+
+const config::trainer_fault* find_fault(const trainer_rank_options& o, const std::string& kind) {
+  for (const auto& f : o.faults)
+    if (f.kind == kind)
+      return &f;
+  return nullptr;
+}
+
+rank_report make_report(const trainer_rank_state& st, const std::string& pub, phase_kind kind,
+                        std::uint32_t chunk) {
+  rank_report r;
+  r.phase = phase_id{pub, static_cast<std::uint8_t>(kind), chunk};
+  r.rank = st.opts.rank;
+  r.ok = true;
+  return r;
+}
+
+rank_report failed(rank_report r, std::string error) {
+  r.ok = false;
+  r.error = std::move(error);
+  return r;
+}
+
+std::string shape_string(const std::vector<std::int64_t>& shape) {
+  std::string out = "[";
+  for (std::size_t i = 0; i < shape.size(); ++i)
+    out += (i ? ", " : "") + std::to_string(shape[i]);
+  return out + "]";
+}
+
+// Worker-thread side of `prepare`: independent re-planning and buffer allocation.
+rank_report run_prepare(const trainer_rank_options& o, const publication::shard_store& shards,
+                        rank_session& s, rank_report r) {
+  try {
+    if (s.spec.world != o.world)
+      return failed(r, "publication is for " + std::to_string(s.spec.world)
+                         + " trainer ranks, this rank is one of " + std::to_string(o.world));
+    auto expected = model::expected_key_stream(o.model);
+    auto fingerprint = model::structural_manifest(expected);
+    if (fingerprint != s.spec.manifest_fingerprint || expected.size() != s.spec.tensor_count)
+      return failed(r, "this rank's expected schema (" + std::to_string(expected.size())
+                         + " tensors, manifest " + fingerprint.substr(0, 12)
+                         + ") differs from the publication's (" + std::to_string(s.spec.tensor_count)
+                         + " tensors, manifest " + s.spec.manifest_fingerprint.substr(0, 12) + ")");
+    s.plan = publication::plan_chunks(expected, s.spec.buffer_bytes, o.world);
+    if (s.plan.chunks.size() != s.spec.chunk_count)
+      return failed(r, "this rank plans " + std::to_string(s.plan.chunks.size())
+                         + " chunks, the coordinator " + std::to_string(s.spec.chunk_count));
+    // The exporter's stream: every shard in canonical order, minus test-only drops.
+    const auto* drop = find_fault(o, "drop_tensor");
+    for (std::size_t i = 0; i < shards.params().size(); ++i)
+      if (!drop || shards.params()[i].name != drop->tensor)
+        s.stream.push_back(i);
+    s.pool = std::make_unique<publication::host_buffer_pool>(s.spec.buffer_count,
+                                                             s.spec.buffer_bytes);
+    return r;
+  } catch (const std::exception& e) {
+    return failed(r, std::string("prepare: ") + e.what());
+  }
+}
+
+// Worker-thread side of `materialize`: emit the chunk's tensors, check each against the plan
+// before entering the collective (a failing rank must not strand the others inside it), then
+// one grouped all-gather straight into the packed buffer.
+rank_report run_materialize(const trainer_rank_options& o, const std::string& uuid,
+                            const publication::shard_store& shards, rank_session& s,
+                            std::uint32_t k, rank_report r) {
+  if (k >= s.plan.chunks.size())
+    return failed(r, "chunk " + std::to_string(k) + " is not in the plan ("
+                       + std::to_string(s.plan.chunks.size()) + " chunks)");
+  if (const auto* f = find_fault(o, "fail_materialize"); f && f->chunk == k)
+    return failed(r, "injected materialization failure at chunk " + std::to_string(k));
+  const auto& chunk = s.plan.chunks[k];
+  auto slot = k % s.pool->count();
+  std::byte* buffer = s.pool->data(slot);
+  const auto* wrong_shape = find_fault(o, "wrong_shape");
+  std::vector<publication::gather_item> items;
+  for (const auto& planned : chunk.tensors) {
+    if (s.cursor >= s.stream.size())
+      return failed(r, "the exporter ran out of tensors where the plan expects "
+                         + planned.meta.name);
+    auto index = s.stream[s.cursor++];
+    model::param_meta emitted = shards.params()[index];
+    if (wrong_shape && wrong_shape->tensor == emitted.name && !emitted.shape.empty())
+      emitted.shape[0] += 1;
+    s.emitted.push_back(emitted);
+    if (emitted.name != planned.meta.name)
+      return failed(r, "emitted " + emitted.name + " where the plan expects " + planned.meta.name);
+    if (emitted.shape != planned.meta.shape || emitted.dt != planned.meta.dt)
+      return failed(r, planned.meta.name + ": emitted shape " + shape_string(emitted.shape) + " "
+                         + model::dtype_name(emitted.dt) + ", the plan expects "
+                         + shape_string(planned.meta.shape) + " "
+                         + model::dtype_name(planned.meta.dt));
+    const auto& spec = shards.spec(index);
+    items.push_back({shards.data(index), spec.padded_bytes(), buffer + planned.offset});
+    tensor_meta tm;
+    tm.name = planned.meta.name;
+    tm.shape = planned.meta.shape;
+    tm.dtype = static_cast<std::uint8_t>(planned.meta.dt);
+    tm.offset = planned.offset;
+    tm.nbytes = planned.meta.nbytes();
+    r.tensors.push_back(std::move(tm));
+  }
+  auto deadline = std::chrono::steady_clock::now()
+                  + std::chrono::milliseconds(o.collective_timeout_ms);
+  auto status = s.coll->all_gather(o.rank, items, deadline);
+  if (!status.ok)
+    return failed(r, "all-gather of chunk " + std::to_string(k) + ": " + status.error);
+  buffer_handle h;
+  h.device_uuid = uuid;
+  h.buffer_index = slot;
+  h.handle = s.pool->handle(slot);
+  h.size = s.pool->bytes();
+  r.handles.push_back(std::move(h));
+  return r;
+}
+
+void report(self_ptr self, rank_report r) {
+  self->send(self->state.opts.gate, report_atom::value, std::move(r));
+}
+
+} // namespace
+
+trainer_rank_impl::behavior_type trainer_rank(self_ptr self, trainer_rank_options opts) {
+  auto& st = self->state;
+  st.opts = std::move(opts);
+  auto dev = device::parse(st.opts.device, "trainer device");
+  st.uuid = device::cpu_uuid(dev.index);
+  st.shards = std::make_shared<publication::shard_store>(model::expected_key_stream(st.opts.model),
+                                                         st.opts.world, st.opts.rank,
+                                                         st.opts.weights);
+  st.worker = std::make_unique<worker_thread>();
+  // Worker results come back as messages; the thread holds only a weak reference.
+  caf::actor_addr weak = self->address();
+  auto post_back = [weak](auto... xs) {
+    if (auto hdl = caf::actor_cast<trainer_rank_impl>(weak))
+      caf::anon_send(hdl, xs...);
+  };
+  return {
+    [=](describe_atom) { return self->state.info(); },
+    [=](step_atom) -> caf::result<std::uint64_t> {
+      auto& st = self->state;
+      if (st.session)
+        return make_refit_error(errc::invalid_state, "step",
+                                "an optimizer step during publication '"
+                                  + st.session->spec.publication_id
+                                  + "' would change weights that are being published");
+      auto rp = self->make_response_promise<std::uint64_t>();
+      auto job = st.next_job++;
+      st.steps.emplace(job, rp);
+      st.worker->post([shards = st.shards, job, post_back] {
+        shards->apply_step();
+        post_back(done_atom::value, job, shards->step());
+      });
+      return rp;
+    },
+    [=](done_atom, std::uint32_t job, std::uint64_t step) {
+      auto& st = self->state;
+      st.step = step;
+      if (auto it = st.steps.find(job); it != st.steps.end()) {
+        it->second.deliver(step);
+        st.steps.erase(it);
+      }
+    },
+    [=](prepare_atom, const publication_spec& spec) {
+      auto& st = self->state;
+      auto r = make_report(st, spec.publication_id, phase_kind::prepare, 0);
+      if (st.session && st.session->spec.publication_id != spec.publication_id) {
+        report(self, failed(r, "publication '" + st.session->spec.publication_id
+                                 + "' is still open on this rank"));
+        return;
+      }
+      auto session = std::make_shared<rank_session>();
+      session->spec = spec;
+      session->coll = st.opts.collectives->for_publication(spec.publication_id);
+      st.session = session;
+      st.last_transferred = -1;
+      st.materialized_bytes = 0;
+      st.worker->post([o = st.opts, shards = st.shards, session, r, post_back]() mutable {
+        post_back(done_atom::value, run_prepare(o, *shards, *session, std::move(r)));
+      });
+    },
+    [=](materialize_atom, const std::string& pub, std::uint32_t k) {
+      auto& st = self->state;
+      auto r = make_report(st, pub, phase_kind::materialize, k);
+      if (!st.session || st.session->spec.publication_id != pub) {
+        report(self, failed(r, "no open publication '" + pub + "' on this rank"));
+        return;
+      }
+      // Bounded memory: chunk k+1 is never materialized before chunk k was transferred.
+      if (static_cast<std::int64_t>(k) != st.last_transferred + 1) {
+        report(self, failed(r, "materialize[" + std::to_string(k) + "] requested but the last "
+                                 "transferred chunk is " + std::to_string(st.last_transferred)));
+        return;
+      }
+      if (const auto* f = find_fault(st.opts, "never_report"); f && f->chunk == k)
+        return; // test-only: this rank stays silent; the gate's deadline must catch it
+      st.worker->post([o = st.opts, uuid = st.uuid, shards = st.shards, session = st.session, k,
+                       r, post_back]() mutable {
+        post_back(done_atom::value,
+                  run_materialize(o, uuid, *shards, *session, k, std::move(r)));
+      });
+    },
+    [=](done_atom, rank_report& r) {
+      auto& st = self->state;
+      if (!st.session || st.session->spec.publication_id != r.phase.publication_id)
+        return; // aborted meanwhile: the gate already failed this publication
+      if (r.ok && r.phase.k() == phase_kind::materialize) {
+        std::uint64_t bytes = 0;
+        for (const auto& t : r.tensors)
+          bytes = std::max<std::uint64_t>(bytes, t.offset + t.nbytes);
+        st.materialized_bytes += bytes;
+        st.peak_materialized_bytes = std::max(st.peak_materialized_bytes, st.materialized_bytes);
+      }
+      report(self, std::move(r));
+    },
+    [=](transferred_atom, const std::string& pub, std::uint32_t k) {
+      auto& st = self->state;
+      auto r = make_report(st, pub, phase_kind::transfer, k);
+      if (!st.session || st.session->spec.publication_id != pub) {
+        report(self, failed(r, "no open publication '" + pub + "' on this rank"));
+        return;
+      }
+      st.last_transferred = k;
+      st.materialized_bytes = 0; // the runtime finished reading the buffer
+      report(self, std::move(r));
+    },
+    [=](manifest_atom, const std::string& pub) {
+      auto& st = self->state;
+      auto r = make_report(st, pub, phase_kind::manifest, 0);
+      if (!st.session || st.session->spec.publication_id != pub) {
+        report(self, failed(r, "no open publication '" + pub + "' on this rank"));
+        return;
+      }
+      bool forge = find_fault(st.opts, "wrong_manifest") != nullptr;
+      st.worker->post([session = st.session, r, forge, post_back]() mutable {
+        auto emitted = session->emitted;
+        if (forge && !emitted.empty())
+          emitted.pop_back();
+        r.fingerprint = model::structural_manifest(emitted);
+        r.tensor_count = emitted.size();
+        post_back(done_atom::value, std::move(r));
+      });
+    },
+    [=](final_atom, const publication_result& res) {
+      auto& st = self->state;
+      auto r = make_report(st, res.publication_id, phase_kind::final, 0);
+      if (!st.session || st.session->spec.publication_id != res.publication_id) {
+        report(self, failed(r, "no open publication '" + res.publication_id + "' on this rank"));
+        return;
+      }
+      const auto& spec = st.session->spec;
+      if (find_fault(st.opts, "reject_final"))
+        r = failed(r, "injected rejection of the final result");
+      else if (res.model_version != spec.model_version)
+        r = failed(r, "committed version " + std::to_string(res.model_version)
+                        + ", this rank published " + std::to_string(spec.model_version));
+      else if (res.manifest_fingerprint != spec.manifest_fingerprint)
+        r = failed(r, "committed manifest differs from the one this rank published");
+      st.session.reset(); // buffers released: nothing outlives the publication
+      report(self, std::move(r));
+    },
+    [=](abort_atom, const gate_failure& failure) {
+      auto& st = self->state;
+      if (!st.session || st.session->spec.publication_id != failure.phase.publication_id)
+        return;
+      // Wake a worker stuck in the collective; the session (buffers) dies with the last job.
+      if (st.session->coll)
+        st.session->coll->abort("publication failed at " + to_string(failure.phase) + " (rank "
+                                + std::to_string(failure.rank) + "): " + failure.error);
+      st.session.reset();
+      st.materialized_bytes = 0;
+    },
+  };
+}
+
+} // namespace refit

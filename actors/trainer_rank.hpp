@@ -1,0 +1,74 @@
+// TrainerRank: one per trainer rank. Owns its FSDP dim-0 shard of every canonical tensor
+// (synthetic weights), and per publication: re-plans from its own model config (validation
+// point 1), materializes exactly one planned chunk at a time into its packed host buffer
+// through the collective, checks every emitted tensor against the plan (point 2), records its
+// actual manifest (point 3) and checks the committed result (point 7). Blocking work runs on a
+// worker thread the actor owns; every phase outcome goes to the ConsensusGate.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "actors/interfaces.hpp"
+#include "runtime/config.hpp"
+#include "runtime/publication/chunk_plan.hpp"
+#include "runtime/publication/collective_registry.hpp"
+#include "runtime/publication/host_buffer.hpp"
+#include "runtime/publication/shard.hpp"
+#include "runtime/worker_thread.hpp"
+
+namespace refit {
+
+struct trainer_rank_options {
+  std::uint32_t rank = 0;
+  std::uint32_t world = 1;
+  std::string device = "cpu:0";
+  model::model_config model;
+  model::synthetic_weights weights;
+  std::vector<config::trainer_fault> faults; // this rank's test-only faults
+  std::shared_ptr<publication::collective_registry> collectives;
+  consensus_gate_actor gate;
+  std::uint32_t collective_timeout_ms = 30000;
+};
+
+// What the worker thread owns during one publication.
+struct rank_session {
+  publication_spec spec;
+  publication::chunk_plan plan;
+  std::unique_ptr<publication::host_buffer_pool> pool;
+  std::shared_ptr<publication::collective> coll;
+  std::vector<std::size_t> stream;         // emission order (indices into the shard store)
+  std::size_t cursor = 0;
+  std::vector<model::param_meta> emitted;  // the actual manifest
+};
+
+using trainer_rank_impl = trainer_rank_actor::extend<
+  caf::reacts_to<done_atom, rank_report>,                   // a worker job's phase outcome
+  caf::reacts_to<done_atom, std::uint32_t, std::uint64_t>>; // a step job finished
+
+struct trainer_rank_state {
+  static inline const char* name = "TrainerRank";
+
+  trainer_rank_options opts;
+  std::string uuid;
+  std::shared_ptr<publication::shard_store> shards;
+  std::shared_ptr<rank_session> session; // null between publications
+  std::uint64_t step = 0;
+  std::uint32_t next_job = 1;
+  std::map<std::uint32_t, caf::typed_response_promise<std::uint64_t>> steps;
+  std::int64_t last_transferred = -1;    // chunk index whose transfer this rank reported
+  std::uint64_t materialized_bytes = 0;  // packed bytes gathered but not yet transferred
+  std::uint64_t peak_materialized_bytes = 0;
+  std::unique_ptr<worker_thread> worker; // last member: joined first
+
+  rank_info info() const;
+};
+
+trainer_rank_impl::behavior_type
+trainer_rank(trainer_rank_impl::stateful_pointer<trainer_rank_state> self,
+             trainer_rank_options opts);
+
+} // namespace refit
