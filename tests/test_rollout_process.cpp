@@ -153,7 +153,7 @@ TEST_F(RolloutProcess, LifecycleDescribeSleepWakeShutdownLeavesNothing) {
   EXPECT_EQ(proc::open_fds(::getpid()), fds_before) << "no fd outlives the rollout subtree";
 }
 
-TEST_F(RolloutProcess, UnsupportedCommandsAnswerTypedErrors) {
+TEST_F(RolloutProcess, RuntimeErrorsAreTypedAndUnsafeOnesPoison) {
   start();
   // generate is safe: the typed refusal leaves the connection IDLE.
   auto gen = call<generate_result>(generate_atom::value, generate_request{{{1, 2, 3}}, {}});
@@ -161,12 +161,13 @@ TEST_F(RolloutProcess, UnsupportedCommandsAnswerTypedErrors) {
   EXPECT_EQ(code_of(gen.error()), errc::runtime_unsupported);
   EXPECT_EQ(error_where(gen.error()), "generate");
   EXPECT_EQ(status().conn(), connection_state::idle);
-  // A weight-transfer command failing is unsafe: fail-stop poisons the runtime.
+  // A weight-transfer command failing is unsafe: fail-stop poisons the runtime (this CPU
+  // build has no CUDA IPC transport).
   auto pid = static_cast<pid_t>(describe().pid);
-  auto init = call<engine_status>(init_wt_atom::value, transfer_init{"shm", 1 << 20, 2});
+  auto init = call<engine_status>(init_wt_atom::value, transfer_init{"cuda_ipc", 1 << 20, 2});
   ASSERT_FALSE(init);
-  EXPECT_EQ(code_of(init.error()), errc::runtime_unsupported);
-  EXPECT_EQ(error_where(init.error()), "init_weight_transfer");
+  EXPECT_EQ(code_of(init.error()), errc::runtime_invalid_argument) << render(init.error());
+  EXPECT_EQ(error_where(init.error()), "init_weight_transfer.transport");
   EXPECT_TRUE(group_gone(pid));
   ASSERT_TRUE(wait_incarnation(2));
   EXPECT_TRUE(status().needs_publication);
