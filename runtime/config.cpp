@@ -57,7 +57,7 @@ const std::vector<std::string> fault_commands = {
 
 const std::vector<std::string> fault_kinds = {
   "stall",    "exit",          "sigkill",      "error",         "bad_frame",
-  "wrong_id", "wrong_command", "wrong_result", "wrong_version",
+  "wrong_id", "wrong_command", "wrong_result", "wrong_version", "forge_receipt",
 };
 
 constexpr std::uint32_t timeout_min_ms = 1;

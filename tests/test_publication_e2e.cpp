@@ -297,3 +297,14 @@ TEST_F(Publication, RankRejectingTheFinalResultPoisons) {
 }
 
 } // namespace
+
+namespace {
+
+TEST_F(Publication, ForgedReceiptIsCaughtAndNothingIsCommitted) {
+  cfg.runtime.faults = {{"finish_weight_update", "forge_receipt", 0}};
+  start();
+  auto pid = runtime_pid();
+  expect_poisoned(publish(1), errc::validation_failed, "receipts[1].device_uuid", pid);
+}
+
+} // namespace

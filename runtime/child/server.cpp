@@ -75,6 +75,7 @@ const char* fault_kind_name(fault_kind kind) {
     case fault_kind::wrong_command: return "wrong_command";
     case fault_kind::wrong_result: return "wrong_result";
     case fault_kind::wrong_version: return "wrong_version";
+    case fault_kind::forge_receipt: return "forge_receipt";
   }
   return "unknown";
 }
@@ -82,7 +83,8 @@ const char* fault_kind_name(fault_kind kind) {
 constexpr fault_kind all_fault_kinds[] = {
   fault_kind::stall,    fault_kind::exit,          fault_kind::sigkill,
   fault_kind::error,    fault_kind::bad_frame,     fault_kind::wrong_id,
-  fault_kind::wrong_command, fault_kind::wrong_result, fault_kind::wrong_version};
+  fault_kind::wrong_command, fault_kind::wrong_result, fault_kind::wrong_version,
+  fault_kind::forge_receipt};
 
 std::string known_command_names() {
   std::string names;
@@ -211,7 +213,22 @@ int server::serve() {
     }
     const pb::Request& request = *input.request;
 
-    if (const fault_spec* fault = take_fault(request.command())) {
+    const fault_spec* fault = take_fault(request.command());
+    if (fault && fault->kind == fault_kind::forge_receipt) {
+      // Runs the command for real, then lies about it: the parent must catch the forgery.
+      pb::Response response = execute(request);
+      if (response.ok() && response.has_finish_weight_update()
+          && response.finish_weight_update().receipts_size() > 0) {
+        auto* receipts = response.mutable_finish_weight_update()->mutable_receipts();
+        receipts->Mutable(receipts->size() - 1)
+          ->set_device_uuid("GPU-00000000-0000-0000-0000-000000000000");
+        log_line("injecting fault forge_receipt on " + command_name(request.command()));
+      }
+      if (!send(response))
+        return 1;
+      continue;
+    }
+    if (fault) {
       fault_reply reply = apply_fault(*fault, request);
       if (reply.response && !send(*reply.response))
         return 1;
@@ -365,6 +382,8 @@ server::fault_reply server::apply_fault(const fault_spec& fault, const pb::Reque
       response.set_ok(true);
       set_empty_result(response, command);
       break;
+    case fault_kind::forge_receipt:
+      break; // handled in the serve loop: the command runs first
   }
   reply.response = std::move(response);
   return reply;
