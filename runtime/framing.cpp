@@ -77,7 +77,10 @@ frame_status read_exact(int fd, char* out, std::size_t len, clock::time_point de
     if (n < 0) {
       if (errno == EINTR || errno == EAGAIN)
         continue;
-      return fail(frame_errc::io_error, std::string("read ") + what + ": " + std::strerror(errno));
+      if (errno != ECONNRESET)
+        return fail(frame_errc::io_error,
+                    std::string("read ") + what + ": " + std::strerror(errno));
+      n = 0; // a reset is the peer going away, exactly like EOF
     }
     if (n == 0) {
       if (!got_any)

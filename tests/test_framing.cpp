@@ -197,6 +197,17 @@ TEST(FramingSocket, RoundTripEmptyPayload) {
   EXPECT_EQ(pending_bytes(ch.b.get()), 0u);
 }
 
+TEST(FramingSocket, PeerResetIsEndOfStreamNotAnIoError) {
+  // A peer that exits with unread data in its receive queue resets the connection: the
+  // reader must see the peer going away (eof), the same as a clean close.
+  auto ch = make_socketpair();
+  send_all(ch.a.get(), "unread by the peer");
+  ch.b.close();
+  std::string payload;
+  auto st = wire::read_frame(ch.a.get(), payload, wire::default_max_frame_bytes, in(long_deadline));
+  EXPECT_EQ(st.code, frame_errc::eof) << st.message;
+}
+
 TEST(FramingSocket, RoundTripSmallPayloadWithBinaryBytes) {
   auto ch = make_socketpair();
   std::string sent("hello\0world\xff\x80\x01", 14);
