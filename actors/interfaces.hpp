@@ -51,7 +51,9 @@ using rollout_engine_actor = caf::typed_actor<
   caf::replies_to<poison_atom, std::string>::with<engine_status>,
   // From the rollout supervisor: a (re)started runtime and its incarnation number (1 = the
   // first runtime, whose checkpoint weights are usable; >1 needs a full publication).
-  caf::reacts_to<attach_atom, runtime_proxy_actor, std::uint64_t>>;
+  caf::reacts_to<attach_atom, runtime_proxy_actor, std::uint64_t>,
+  // From the rollout supervisor: no runtime will come back (restart budget exhausted).
+  caf::reacts_to<gave_up_atom, std::string>>;
 
 // RolloutSupervisor: spawns the runtime proxy, monitors it, restarts it with bounded
 // retries and backoff, and attaches every new proxy to the RolloutEngine.

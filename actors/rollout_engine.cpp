@@ -25,6 +25,7 @@ engine_status rollout_engine_state::status() const {
   s.weights_awake = runtime.weights_awake;
   s.kv_cache_awake = runtime.kv_cache_awake;
   s.last_error = last_error;
+  s.gave_up = gave_up;
   return s;
 }
 
@@ -53,6 +54,9 @@ bool is_channel_failure(const caf::error& err) {
 caf::error refuse_unless_connected(const rollout_engine_state& st, const char* what) {
   switch (st.conn) {
     case connection_state::detached:
+      if (st.gave_up)
+        return make_refit_error(errc::restart_limit, what,
+                                "the runtime is gone for good: " + st.last_error);
       return make_refit_error(errc::not_attached, what,
                               "no runtime is attached (it is starting or being restarted)");
     case connection_state::broken:
@@ -644,7 +648,13 @@ rollout_engine_actor::behavior_type rollout_engine(self_ptr self, rollout_engine
       return st.status();
     },
     [=](attach_atom, runtime_proxy_actor proxy, std::uint64_t incarnation) {
+      self->state.gave_up = false;
       on_attach(self, std::move(proxy), incarnation);
+    },
+    [=](gave_up_atom, const std::string& reason) {
+      auto& st = self->state;
+      st.gave_up = true;
+      st.last_error = reason;
     },
   };
 }

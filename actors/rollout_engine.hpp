@@ -35,6 +35,7 @@ struct rollout_engine_state {
   publication_header header;           // of the open / last committed publication
   std::uint32_t next_chunk = 0;
   std::string last_error;
+  bool gave_up = false;                // the supervisor will not attach another runtime
 
   engine_status status() const;
 };

@@ -68,7 +68,11 @@ rollout_supervisor(self_ptr self, config::supervisor_config cfg, proxy_factory f
       st.restarts.pop_front();
     if (st.restarts.size() >= st.cfg.max_restarts) {
       st.gave_up = true;
-      return; // the engine stays detached: every request gets errc::not_attached
+      // The engine stays detached and answers errc::restart_limit from now on.
+      self->send(st.engine, gave_up_atom::value,
+                 "restart limit: " + std::to_string(st.restarts.size()) + " restarts within "
+                   + std::to_string(st.cfg.restart_window_ms) + " ms; last exit: " + st.last_exit);
+      return;
     }
     st.restarts.push_back(now);
     st.restart_pending = true;

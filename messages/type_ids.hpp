@@ -43,6 +43,7 @@ CAF_BEGIN_TYPE_ID_BLOCK(refit, caf::first_custom_type_id)
   CAF_ADD_ATOM(refit, refit, report_atom, "report")
   CAF_ADD_ATOM(refit, refit, deadline_atom, "deadline")
   CAF_ADD_ATOM(refit, refit, done_atom, "done")
+  CAF_ADD_ATOM(refit, refit, gave_up_atom, "gave_up")
 
   CAF_ADD_TYPE_ID(refit, (refit::worker_info))
   CAF_ADD_TYPE_ID(refit, (refit::runtime_description))

@@ -412,6 +412,7 @@ struct engine_status {
   bool weights_awake = false;
   bool kv_cache_awake = false;
   std::string last_error;
+  bool gave_up = false;              // the supervisor exhausted its restart budget
   connection_state conn() const { return static_cast<connection_state>(connection); }
 };
 
@@ -419,7 +420,7 @@ template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, engine_status& x) {
   return f(caf::meta::type_name("engine_status"), x.connection, x.incarnation,
            x.committed_version, x.needs_publication, x.update_open, x.sleep_level,
-           x.weights_awake, x.kv_cache_awake, x.last_error);
+           x.weights_awake, x.kv_cache_awake, x.last_error, x.gave_up);
 }
 
 // What a rollout supervisor reports.

@@ -105,6 +105,8 @@ bool wait_until_ready(caf::actor_system& sys, const rollout_engine_actor& engine
       *last = st;
     if (got && st.conn() == connection_state::idle)
       return true;
+    if (got && st.gave_up)
+      return false;
     if (std::chrono::steady_clock::now() >= deadline)
       return false;
     std::this_thread::sleep_for(std::chrono::milliseconds(10));

@@ -41,7 +41,8 @@ struct timeouts {
 // A test-only fault the child runtime applies to one command (see refit-runtime --fault).
 struct runtime_fault {
   std::string command; // describe, generate, sleep, wake_up, ..., shutdown
-  std::string kind;    // stall | exit | sigkill | error | bad_frame | wrong_id | wrong_command | wrong_result | wrong_version
+  std::string kind;    // stall | exit | sigkill | error | bad_frame | wrong_id | wrong_command |
+                       // wrong_result | wrong_version | forge_receipt
   std::uint32_t after = 0; // apply on the (after+1)-th occurrence of the command
 };
 

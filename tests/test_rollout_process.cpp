@@ -285,5 +285,7 @@ TEST_F(RolloutProcess, SpawnFailureGivesUpAfterBoundedRestarts) {
   EXPECT_NE(sup.last_exit.find("/nonexistent/refit-runtime"), std::string::npos) << sup.last_exit;
   auto d = call<runtime_description>(describe_atom::value);
   ASSERT_FALSE(d);
-  EXPECT_EQ(code_of(d.error()), errc::not_attached);
+  EXPECT_EQ(code_of(d.error()), errc::restart_limit) << render(d.error());
+  EXPECT_NE(error_message(d.error()).find("restart limit"), std::string::npos);
+  EXPECT_TRUE(status().gave_up);
 }

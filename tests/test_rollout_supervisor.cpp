@@ -166,9 +166,11 @@ TEST_F(supervisor_test, GivesUpAfterMaxRestartsWithinTheWindow) {
   EXPECT_EQ(scripts.size(), 3u);
   auto e = eng_status();
   EXPECT_EQ(state_of(e), "DETACHED");
+  EXPECT_TRUE(e.gave_up);
+  EXPECT_NE(e.last_error.find("restart limit: 2 restarts"), std::string::npos) << e.last_error;
   auto g = ask<generate_result>(engine, generate_atom::value, generate_request{{{1, 2}}, {}});
   ASSERT_TRUE(g->done);
-  EXPECT_REFIT_ERROR(g->error, errc::not_attached, "generate");
+  EXPECT_REFIT_ERROR(g->error, errc::restart_limit, "generate");
 }
 
 TEST_F(supervisor_test, RestartsOlderThanTheWindowAreForgiven) {
