@@ -4,10 +4,13 @@
 
 #include <chrono>
 #include <csignal>
+#include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <fcntl.h>
 #include <fstream>
 #include <functional>
+#include <iostream>
 #include <memory>
 #include <optional>
 #include <poll.h>
@@ -21,6 +24,7 @@
 #include "runtime/config.hpp"
 #include "runtime/device.hpp"
 #include "runtime/framing.hpp"
+#include "runtime/inference/reference.hpp"
 #include "runtime/model/digest.hpp"
 #include "runtime/model/qwen3_moe.hpp"
 #include "runtime/process.hpp"
@@ -379,15 +383,14 @@ TEST(RuntimeChildMemory, RejectsInvalidWakeTags) {
 
 // ---------------------------------------------------------------------------- protocol
 
-TEST(RuntimeChildProtocol, GenerateIsUnsupported) {
+TEST(RuntimeChildProtocol, GenerateWithoutPromptsIsAnInvalidArgument) {
   runtime_child child(args_for(1));
   auto req = child.request(pb::COMMAND_GENERATE);
   auto rsp = child.call(req);
   EXPECT_EQ(rsp.request_id(), req.request_id());
   EXPECT_EQ(rsp.command(), pb::COMMAND_GENERATE);
-  expect_error(rsp, pb::ERROR_CODE_UNSUPPORTED, "generate");
-  EXPECT_NE(rsp.error().message().find("generate is not supported"), std::string::npos)
-    << rsp.error().message();
+  expect_error(rsp, pb::ERROR_CODE_INVALID_ARGUMENT, "generate.prompts");
+  EXPECT_NE(rsp.error().message().find("no prompts"), std::string::npos) << rsp.error().message();
 }
 
 TEST(RuntimeChildProtocol, RejectsAnotherProtocolVersion) {
@@ -1324,5 +1327,395 @@ TEST_P(ChunkValidationTest, UpdateAnswersTheErrorAndNothingCommits) {
 
 INSTANTIATE_TEST_SUITE_P(Publication, ChunkValidationTest, ::testing::ValuesIn(chunk_cases()),
                          [](const auto& info) { return info.param.name; });
+
+// ---------------------------------------------------------------------------- generation
+//
+// The runtime generates with the weights it holds: its checkpoint (synthetic seed 1234, step
+// 0) or the last committed publication. Every test scores the runtime's samples with the
+// unsharded TP=1 reference computed here from the same canonical tensors.
+
+namespace inf = refit::inference;
+
+constexpr std::uint64_t checkpoint_seed = 1234; // --seed of command_line()
+
+canonical_weights checkpoint_canonical() {
+  canonical_weights w;
+  w.params = model::expected_key_stream(tiny_config());
+  model::synthetic_weights synthetic;
+  synthetic.seed = checkpoint_seed;
+  for (const auto& p : w.params) {
+    std::vector<std::byte> bytes(p.nbytes());
+    model::fill_synthetic(p, synthetic, 0, 0, p.numel(), bytes.data());
+    w.bytes.push_back(std::move(bytes));
+  }
+  return w;
+}
+
+inf::resident_set tp1_residents(const canonical_weights& w) {
+  std::vector<const std::byte*> pointers;
+  for (const auto& b : w.bytes)
+    pointers.push_back(b.data());
+  return inf::scatter_residents(tiny_config(), 1, 0, w.params, pointers);
+}
+
+inf::sampling_config sampling(float temperature, std::uint32_t max_tokens, std::uint32_t n = 1,
+                              std::int32_t top_k = 0, float top_p = 1.0f, std::uint64_t seed = 0) {
+  inf::sampling_config p;
+  p.temperature = temperature;
+  p.max_tokens = max_tokens;
+  p.n = n;
+  p.top_k = top_k;
+  p.top_p = top_p;
+  p.seed = seed;
+  return p;
+}
+
+pb::Response generate(runtime_child& child, const std::vector<std::vector<std::int32_t>>& prompts,
+                      const inf::sampling_config& p) {
+  auto req = child.request(pb::COMMAND_GENERATE);
+  auto* g = req.mutable_generate();
+  for (const auto& prompt : prompts)
+    g->add_prompts()->mutable_token_ids()->Add(prompt.begin(), prompt.end());
+  auto* params = g->mutable_params();
+  params->set_n(p.n);
+  params->set_max_tokens(p.max_tokens);
+  params->set_temperature(p.temperature);
+  params->set_top_k(p.top_k);
+  params->set_top_p(p.top_p);
+  params->set_seed(p.seed);
+  params->mutable_stop_token_ids()->Add(p.stop_token_ids.begin(), p.stop_token_ids.end());
+  params->set_max_prompt_length(p.max_prompt_length);
+  return child.call(req);
+}
+
+std::vector<std::int32_t> ids(const google::protobuf::RepeatedField<std::int32_t>& r) {
+  return {r.begin(), r.end()};
+}
+std::vector<float> floats(const google::protobuf::RepeatedField<float>& r) {
+  return {r.begin(), r.end()};
+}
+
+std::vector<std::int32_t> prompt_tokens(std::size_t length, std::int32_t salt = 0) {
+  std::vector<std::int32_t> tokens;
+  for (std::size_t i = 0; i < length; ++i)
+    tokens.push_back(static_cast<std::int32_t>((i * 53 + 7 + std::size_t(salt) * 89) % 256));
+  return tokens;
+}
+
+// Greedy continuation by the reference (full forwards, TP = 1).
+std::vector<std::int32_t> reference_greedy(const inf::resident_set& tp1,
+                                           std::vector<std::int32_t> tokens, std::size_t count) {
+  const auto& cfg = tiny_config();
+  std::vector<std::int32_t> out;
+  for (std::size_t i = 0; i < count; ++i) {
+    const auto logits = inf::reference_logits(cfg, tp1.pointers(), tokens);
+    const float* last = logits.data() + (tokens.size() - 1) * cfg.vocab_size;
+    out.push_back(static_cast<std::int32_t>(std::max_element(last, last + cfg.vocab_size) - last));
+    tokens.push_back(out.back());
+  }
+  return out;
+}
+
+// Largest |runtime logprob - reference logprob| over every sample of `result`.
+float reference_delta(const pb::GenerateResult& result, const inf::resident_set& tp1,
+                      const inf::sampling_config& p) {
+  std::vector<inf::scored_sequence> seqs;
+  for (const auto& s : result.samples())
+    seqs.push_back({ids(s.prompt_token_ids()), ids(s.token_ids())});
+  const auto ref = inf::reference_logprobs(tiny_config(), tp1.pointers(), seqs, p);
+  float delta = 0.0f;
+  for (int i = 0; i < result.samples_size(); ++i) {
+    const auto got = floats(result.samples(i).logprobs());
+    EXPECT_EQ(got.size(), ref[static_cast<std::size_t>(i)].size());
+    for (std::size_t t = 0; t < got.size() && t < ref[static_cast<std::size_t>(i)].size(); ++t)
+      delta = std::max(delta, std::fabs(got[t] - ref[static_cast<std::size_t>(i)][t]));
+  }
+  return delta;
+}
+
+class GenerateTest : public ::testing::TestWithParam<std::uint32_t> {};
+
+TEST_P(GenerateTest, GreedyAndSampledOutputsMatchTheUnshardedReference) {
+  const std::uint32_t tp = GetParam();
+  runtime_child child(args_for(tp));
+  const auto tp1 = tp1_residents(checkpoint_canonical());
+  const std::vector<std::vector<std::int32_t>> prompts = {prompt_tokens(6, 1),
+                                                          prompt_tokens(13, 2)};
+
+  const auto greedy = sampling(0.0f, 8);
+  const auto rsp = require_ok(generate(child, prompts, greedy));
+  ASSERT_EQ(rsp.result_case(), pb::Response::kGenerate);
+  const auto& result = rsp.generate();
+  EXPECT_EQ(result.model_version(), 0u);
+  ASSERT_EQ(result.samples_size(), 2);
+  for (int i = 0; i < 2; ++i) {
+    SCOPED_TRACE("prompt " + std::to_string(i));
+    const auto& s = result.samples(i);
+    EXPECT_EQ(s.prompt_index(), static_cast<std::uint32_t>(i));
+    EXPECT_EQ(ids(s.prompt_token_ids()), prompts[static_cast<std::size_t>(i)]);
+    EXPECT_FALSE(s.prompt_truncated());
+    EXPECT_EQ(s.finish_reason(), "length");
+    EXPECT_EQ(ids(s.token_ids()), reference_greedy(tp1, prompts[static_cast<std::size_t>(i)], 8));
+    ASSERT_EQ(s.logprobs_size(), 8);
+    for (float lp : s.logprobs()) {
+      EXPECT_LT(lp, 0.0f);
+      EXPECT_GE(lp, -std::log(256.0f) - 1e-4f) << "the greedy token is the most probable";
+    }
+  }
+  const float greedy_delta = reference_delta(result, tp1, greedy);
+  EXPECT_LT(greedy_delta, inf::parity_tolerance);
+
+  const auto sampled = sampling(0.7f, 10, 2, 50, 0.9f, 7);
+  const auto first = require_ok(generate(child, prompts, sampled)).generate();
+  ASSERT_EQ(first.samples_size(), 4);
+  const float sampled_delta = reference_delta(first, tp1, sampled);
+  EXPECT_LT(sampled_delta, inf::parity_tolerance);
+  std::cout << "[ measured ] refit-runtime tp=" << tp << ": max |logprob - reference| greedy "
+            << greedy_delta << ", sampled " << sampled_delta << "\n";
+  // Same seed, same weights: the same samples, bit for bit (prompts shorter than a KV block,
+  // so both requests compute the same way).
+  const auto second = require_ok(generate(child, prompts, sampled)).generate();
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(ids(second.samples(i).token_ids()), ids(first.samples(i).token_ids()));
+    EXPECT_EQ(floats(second.samples(i).logprobs()), floats(first.samples(i).logprobs()));
+  }
+  EXPECT_NE(ids(first.samples(0).token_ids()), ids(first.samples(1).token_ids()))
+    << "the two samples of a prompt are different draws";
+}
+
+INSTANTIATE_TEST_SUITE_P(Tp, GenerateTest, ::testing::Values(1u, 2u, 4u),
+                         [](const auto& info) { return "tp" + std::to_string(info.param); });
+
+TEST(Generation, StopTokensEndSamplesAndLongPromptsKeepTheirLastTokens) {
+  runtime_child child(args_for(2));
+  const auto prompt = prompt_tokens(30, 3);
+  auto p = sampling(0.0f, 10);
+  const auto free_run = require_ok(generate(child, {prompt}, p)).generate().samples(0);
+  ASSERT_EQ(free_run.token_ids_size(), 10);
+  const std::int32_t stop = free_run.token_ids(4);
+  int first = 0;
+  while (free_run.token_ids(first) != stop)
+    ++first;
+  p.stop_token_ids = {stop};
+  const auto stopped = require_ok(generate(child, {prompt}, p)).generate().samples(0);
+  EXPECT_EQ(stopped.finish_reason(), "stop");
+  ASSERT_EQ(stopped.token_ids_size(), first + 1);
+  EXPECT_EQ(stopped.token_ids(first), stop) << "the stop token is included";
+  for (int i = 0; i <= first; ++i)
+    EXPECT_EQ(stopped.token_ids(i), free_run.token_ids(i));
+
+  p.stop_token_ids.clear();
+  p.max_prompt_length = 12;
+  const auto truncated = require_ok(generate(child, {prompt, {1, 2, 3}}, p)).generate();
+  ASSERT_EQ(truncated.samples_size(), 2);
+  EXPECT_TRUE(truncated.samples(0).prompt_truncated());
+  EXPECT_EQ(ids(truncated.samples(0).prompt_token_ids()),
+            std::vector<std::int32_t>(prompt.end() - 12, prompt.end()));
+  EXPECT_FALSE(truncated.samples(1).prompt_truncated());
+  const auto tp1 = tp1_residents(checkpoint_canonical());
+  EXPECT_EQ(ids(truncated.samples(0).token_ids()),
+            reference_greedy(tp1, std::vector<std::int32_t>(prompt.end() - 12, prompt.end()), 10));
+  EXPECT_LT(reference_delta(truncated, tp1, p), inf::parity_tolerance);
+}
+
+TEST(Generation, InvalidRequestsNameTheField) {
+  runtime_child child(args_for(1, 64u << 10)); // tp=1: 8 KiB per 16-position block, 8 blocks
+  const std::vector<std::vector<std::int32_t>> prompt = {{1, 2, 3}};
+  expect_error(generate(child, prompt, sampling(-1.0f, 4)), pb::ERROR_CODE_INVALID_ARGUMENT,
+               "generate.params.temperature");
+  expect_error(generate(child, prompt, sampling(1.0f, 4, 0)), pb::ERROR_CODE_INVALID_ARGUMENT,
+               "generate.params.n");
+  expect_error(generate(child, prompt, sampling(1.0f, 0)), pb::ERROR_CODE_INVALID_ARGUMENT,
+               "generate.params.max_tokens");
+  expect_error(generate(child, prompt, sampling(1.0f, 4, 1, 0, 2.0f)),
+               pb::ERROR_CODE_INVALID_ARGUMENT, "generate.params.top_p");
+  expect_error(generate(child, {{1, 256}}, sampling(1.0f, 4)), pb::ERROR_CODE_INVALID_ARGUMENT,
+               "generate.prompts[0].token_ids[1]");
+  expect_error(generate(child, {{1}, {}}, sampling(1.0f, 4)), pb::ERROR_CODE_INVALID_ARGUMENT,
+               "generate.prompts[1].token_ids");
+
+  // The KV region bounds a request: no allocation elsewhere.
+  auto rsp = generate(child, prompt, sampling(1.0f, 1000));
+  expect_error(rsp, pb::ERROR_CODE_INVALID_ARGUMENT, "generate.params.max_tokens");
+  EXPECT_NE(rsp.error().message().find("kv_cache_bytes=65536"), std::string::npos)
+    << rsp.error().message();
+  EXPECT_NE(rsp.error().message().find("holds 8 blocks"), std::string::npos)
+    << rsp.error().message();
+  expect_error(generate(child, prompt, sampling(1.0f, 100, 9)), pb::ERROR_CODE_INVALID_ARGUMENT,
+               "generate.params.n");
+  // What fits still runs (several waves if needed).
+  const auto ok = require_ok(generate(child, {prompt_tokens(20), prompt_tokens(20, 1)},
+                                      sampling(1.0f, 40, 2, 0, 1.0f, 1)));
+  EXPECT_EQ(ok.generate().samples_size(), 4); // 7 of 8 blocks per prompt: two waves
+}
+
+TEST(Generation, RefusedWhileAsleepWithInvalidWeightsOrDuringAnUpdate) {
+  runtime_child child(args_for(2));
+  const std::vector<std::vector<std::int32_t>> prompt = {prompt_tokens(5)};
+  const auto p = sampling(0.0f, 4);
+  ASSERT_TRUE(require_ok(generate(child, prompt, p)).ok());
+
+  ASSERT_TRUE(child.sleep(1).ok());
+  auto rsp = generate(child, prompt, p);
+  expect_error(rsp, pb::ERROR_CODE_INVALID_STATE, "generate");
+  EXPECT_NE(rsp.error().message().find("resident weights"), std::string::npos);
+  ASSERT_TRUE(child.wake_up({pb::WAKE_TAG_WEIGHTS}).ok());
+  rsp = generate(child, prompt, p);
+  expect_error(rsp, pb::ERROR_CODE_INVALID_STATE, "generate");
+  EXPECT_NE(rsp.error().message().find("KV cache"), std::string::npos) << rsp.error().message();
+  ASSERT_TRUE(child.wake_up({pb::WAKE_TAG_KV_CACHE}).ok());
+  ASSERT_TRUE(require_ok(generate(child, prompt, p)).ok()) << "awake again";
+
+  // While a publication is open its weights are being written.
+  trainer_ranks trainer(2);
+  const auto weights = synthetic_canonical(1);
+  const auto header = publication_header(2, 1, "pub-generate");
+  const auto chunks = pack(weights);
+  ASSERT_TRUE(require_ok(init_transfer(child)).ok());
+  ASSERT_TRUE(require_ok(start_update(child, header)).ok());
+  const auto chunk = [&](std::size_t k) {
+    return trainer.chunk(weights, chunks, k, "pub-generate");
+  };
+  ASSERT_TRUE(require_ok(update_weights(child, chunk(0))).ok());
+  rsp = generate(child, prompt, p);
+  expect_error(rsp, pb::ERROR_CODE_INVALID_STATE, "generate");
+  EXPECT_NE(rsp.error().message().find("publication 'pub-generate' is open"), std::string::npos)
+    << rsp.error().message();
+  for (std::size_t k = 1; k < chunks.size(); ++k)
+    ASSERT_TRUE(require_ok(update_weights(child, chunk(k))).ok());
+  ASSERT_TRUE(require_ok(finish_update(child, "pub-generate", 1)).ok());
+  ASSERT_TRUE(require_ok(release_ipc(child, "pub-generate")).ok());
+  const auto after = require_ok(generate(child, prompt, p)).generate();
+  EXPECT_EQ(after.model_version(), 1u);
+  EXPECT_LT(reference_delta(after, tp1_residents(weights), p), inf::parity_tolerance)
+    << "generation uses the published weights";
+
+  // Sleep level 2 drops the weights: woken storage is zero-filled, not valid.
+  ASSERT_TRUE(child.sleep(2).ok());
+  ASSERT_TRUE(child.wake_up({}).ok());
+  rsp = generate(child, prompt, p);
+  expect_error(rsp, pb::ERROR_CODE_INVALID_STATE, "generate");
+  EXPECT_NE(rsp.error().message().find("not valid"), std::string::npos) << rsp.error().message();
+}
+
+// Redirects this process's stderr into a temporary file while a child is spawned, so the
+// child's log lines (which it writes to its inherited stderr) can be read back.
+class captured_stderr {
+public:
+  captured_stderr() {
+    char path[] = "/tmp/refit-runtime-stderr-XXXXXX";
+    fd_ = ::mkstemp(path);
+    if (fd_ < 0)
+      throw std::runtime_error("mkstemp failed");
+    path_ = path;
+    saved_ = ::dup(STDERR_FILENO);
+    ::dup2(fd_, STDERR_FILENO);
+  }
+  // Restores this process's stderr (the spawned child keeps writing to the file).
+  void restore() {
+    if (saved_ >= 0) {
+      ::dup2(saved_, STDERR_FILENO);
+      ::close(saved_);
+      saved_ = -1;
+    }
+  }
+  ~captured_stderr() {
+    restore();
+    ::close(fd_);
+    ::unlink(path_.c_str());
+  }
+  std::string text() const {
+    std::ifstream in(path_);
+    return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+
+private:
+  int fd_ = -1;
+  int saved_ = -1;
+  std::string path_;
+};
+
+struct generate_log {
+  std::uint64_t model_version = 0;
+  std::uint64_t prefix_hit_tokens = 0;
+};
+
+// The "generate: ..." log lines of the child, in order.
+std::vector<generate_log> generate_logs(const std::string& text) {
+  const auto field = [](const std::string& line, const std::string& key) {
+    const auto at = line.find(" " + key + "=");
+    if (at == std::string::npos)
+      throw std::runtime_error("no " + key + " in: " + line);
+    return std::stoull(line.substr(at + key.size() + 2));
+  };
+  std::vector<generate_log> logs;
+  std::size_t start = 0;
+  while (start < text.size()) {
+    std::size_t end = text.find('\n', start);
+    if (end == std::string::npos)
+      end = text.size();
+    const std::string line = text.substr(start, end - start);
+    if (line.find("]: generate: ") != std::string::npos)
+      logs.push_back({field(line, "model_version"), field(line, "prefix_hit_tokens")});
+    start = end + 1;
+  }
+  return logs;
+}
+
+TEST(Generation, PrefixCacheIsReusedWithinAVersionAndNeverAcrossPublications) {
+  captured_stderr log;
+  runtime_child child(args_for(2));
+  log.restore();
+  // 40 tokens = 2 full KV blocks of 16 positions + 8; a repeat reuses the 2 full blocks.
+  const std::vector<std::vector<std::int32_t>> prompt = {prompt_tokens(40, 4)};
+  const auto p = sampling(0.0f, 6);
+
+  const auto cold = require_ok(generate(child, prompt, p)).generate();
+  const auto warm = require_ok(generate(child, prompt, p)).generate();
+  EXPECT_EQ(ids(warm.samples(0).token_ids()), ids(cold.samples(0).token_ids()));
+  const auto v0_logprobs = floats(cold.samples(0).logprobs());
+  for (int t = 0; t < warm.samples(0).logprobs_size(); ++t)
+    EXPECT_NEAR(warm.samples(0).logprobs(t), v0_logprobs[static_cast<std::size_t>(t)], 1e-5f);
+
+  auto rsp = require_ok(child.call(pb::COMMAND_RESET_PREFIX_CACHE));
+  EXPECT_EQ(rsp.reset_prefix_cache().entries_dropped(), 2u);
+  require_ok(generate(child, prompt, p)); // recomputes and re-registers the 2 blocks
+
+  // Publish version 1 (other weights). Committing drops the prefix cache.
+  trainer_ranks trainer(2);
+  const auto v1 = synthetic_canonical(1);
+  const auto header = publication_header(2, 1, "pub-prefix");
+  EXPECT_TRUE(publish(child, trainer, v1, header).prefix_cache_reset());
+  ASSERT_TRUE(require_ok(release_ipc(child, "pub-prefix")).ok());
+  rsp = require_ok(child.call(pb::COMMAND_RESET_PREFIX_CACHE));
+  EXPECT_EQ(rsp.reset_prefix_cache().entries_dropped(), 0u) << "the commit emptied the cache";
+
+  const auto tp1 = tp1_residents(v1);
+  const auto fresh = require_ok(generate(child, prompt, p)).generate();
+  EXPECT_EQ(fresh.model_version(), 1u);
+  EXPECT_EQ(ids(fresh.samples(0).token_ids()), reference_greedy(tp1, prompt[0], 6));
+  EXPECT_LT(reference_delta(fresh, tp1, p), inf::parity_tolerance)
+    << "the same prompt after the publication equals a fresh computation with the new weights";
+  float moved = 0.0f;
+  for (int t = 0; t < fresh.samples(0).logprobs_size(); ++t)
+    moved = std::max(moved, std::fabs(fresh.samples(0).logprobs(t)
+                                      - v0_logprobs[static_cast<std::size_t>(t)]));
+  EXPECT_GT(moved, 10 * inf::parity_tolerance) << "the new weights change the logprobs";
+  const auto again = require_ok(generate(child, prompt, p)).generate();
+  EXPECT_EQ(ids(again.samples(0).token_ids()), ids(fresh.samples(0).token_ids()));
+  EXPECT_LT(reference_delta(again, tp1, p), inf::parity_tolerance);
+  rsp = require_ok(child.call(pb::COMMAND_RESET_PREFIX_CACHE));
+  EXPECT_EQ(rsp.reset_prefix_cache().entries_dropped(), 2u);
+
+  // The child's own counters: prefix hits happened only within one weights version.
+  const auto logs = generate_logs(log.text());
+  ASSERT_EQ(logs.size(), 5u) << log.text();
+  const std::vector<std::pair<std::uint64_t, std::uint64_t>> expected = {
+    {0, 0}, {0, 32}, {0, 0}, {1, 0}, {1, 32}};
+  for (std::size_t i = 0; i < logs.size(); ++i) {
+    EXPECT_EQ(logs[i].model_version, expected[i].first) << "request " << i;
+    EXPECT_EQ(logs[i].prefix_hit_tokens, expected[i].second) << "request " << i;
+  }
+}
 
 } // namespace

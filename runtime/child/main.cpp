@@ -48,6 +48,7 @@ struct raw_arguments {
   std::uint64_t kv_cache_bytes = 0;
   std::uint64_t max_frame_bytes = refit::wire::default_max_frame_bytes;
   std::uint64_t seed = 0;
+  float init_scale = 0.02f;
   std::vector<std::string> faults;
 };
 
@@ -117,6 +118,7 @@ refit::child::server_options validate(const raw_arguments& args) {
                                               + " is outside 1024..4294967295");
   options.max_frame_bytes = static_cast<std::size_t>(args.max_frame_bytes);
   options.seed = args.seed;
+  options.init_scale = args.init_scale;
   for (const auto& text : args.faults) {
     try {
       options.faults.push_back(refit::child::parse_fault(text));
@@ -153,6 +155,9 @@ int main(int argc, char** argv) {
     ->required();
   app.add_option("--max-frame-bytes", args.max_frame_bytes, "largest control frame");
   app.add_option("--seed", args.seed, "seed of the synthetic checkpoint weights")->required();
+  app.add_option("--init-scale", args.init_scale,
+                 "scale of the synthetic checkpoint weights (the trainer's trainer.init_scale)")
+    ->check(CLI::Range(1e-6, 10.0));
   app.add_option("--fault", args.faults, "test-only fault COMMAND:KIND[:AFTER] (repeatable)");
 
   try {

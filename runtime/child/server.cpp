@@ -26,6 +26,45 @@ constexpr const char* runtime_version = "0.1.0";
 constexpr std::uint32_t wrong_protocol_version = 99;
 constexpr int fault_exit_code = 3;
 constexpr auto write_timeout = std::chrono::seconds(30);
+// Generation: KV block (prefix-cache granularity) and how long a TP worker waits for the
+// others inside one collective before the group is aborted.
+constexpr std::uint32_t kv_block_size = 16;
+constexpr auto collective_timeout = std::chrono::seconds(120);
+
+inference::engine_options generation_options() {
+  inference::engine_options o;
+  o.block_size = kv_block_size;
+  o.compute_threads = 1; // one core per TP worker thread
+  return o;
+}
+
+inference::generate_input to_input(const pb::GenerateRequest& request) {
+  inference::generate_input in;
+  for (const auto& prompt : request.prompts())
+    in.prompts.emplace_back(prompt.token_ids().begin(), prompt.token_ids().end());
+  const auto& p = request.params();
+  in.params.n = p.n();
+  in.params.max_tokens = p.max_tokens();
+  in.params.temperature = p.temperature();
+  in.params.top_k = p.top_k();
+  in.params.top_p = p.top_p();
+  in.params.seed = p.seed();
+  in.params.stop_token_ids.assign(p.stop_token_ids().begin(), p.stop_token_ids().end());
+  in.params.max_prompt_length = p.max_prompt_length();
+  return in;
+}
+
+// Where two ranks' samples first differ ("" when identical).
+std::string first_difference(const std::vector<inference::generation>& a,
+                             const std::vector<inference::generation>& b) {
+  if (a.size() != b.size())
+    return std::to_string(a.size()) + " vs " + std::to_string(b.size()) + " samples";
+  for (std::size_t i = 0; i < a.size(); ++i)
+    if (a[i] != b[i])
+      return "sample " + std::to_string(i) + " (prompt " + std::to_string(a[i].prompt_index)
+             + ") differs";
+  return {};
+}
 
 std::string payload_name(pb::Request::PayloadCase payload) {
   if (payload == pb::Request::PAYLOAD_NOT_SET)
@@ -156,6 +195,8 @@ server::server(server_options options)
       options_.model, static_cast<std::uint32_t>(options_.devices.size()))),
     transfer_(options_.model, layout_, workers_) {
   const std::uint32_t tp = layout_->tp();
+  comm_ = std::make_unique<inference::inproc_comm>(
+    tp, std::chrono::duration_cast<std::chrono::milliseconds>(collective_timeout));
   for (std::uint32_t rank = 0; rank < tp; ++rank)
     workers_.push_back(std::make_unique<worker>(rank, static_cast<int>(rank),
                                                 options_.devices[rank], layout_,
@@ -183,6 +224,7 @@ server::~server() = default;
 void server::load_checkpoint() {
   model::synthetic_weights synthetic;
   synthetic.seed = options_.seed;
+  synthetic.init_scale = options_.init_scale;
   for (const auto& param : model::expected_key_stream(options_.model)) {
     std::vector<std::byte> canonical(param.nbytes());
     model::fill_synthetic(param, synthetic, 0, 0, param.numel(), canonical.data());
@@ -311,10 +353,7 @@ pb::Response server::execute(const pb::Request& request) {
       case pb::COMMAND_RELEASE_IPC:
         *response.mutable_release_ipc() = transfer_.release(request.release_ipc());
         break;
-      case pb::COMMAND_GENERATE:
-        throw command_error(pb::ERROR_CODE_UNSUPPORTED, command_name(command),
-                            command_name(command)
-                              + " is not supported by this refit-runtime build yet");
+      case pb::COMMAND_GENERATE: *response.mutable_generate() = generate(request.generate()); break;
       default:
         throw command_error(pb::ERROR_CODE_MALFORMED, "command",
                             "unknown command " + std::to_string(command));
@@ -526,9 +565,139 @@ pb::MemoryResult server::wake_up(const pb::WakeUpRequest& request) {
 }
 
 pb::ResetPrefixCacheResult server::reset_prefix_cache() {
+  std::vector<std::uint64_t> dropped(workers_.size());
+  on_all_workers(workers_, [&dropped](worker& w) { dropped[w.rank()] = w.reset_prefix_cache(); });
   pb::ResetPrefixCacheResult result;
-  result.set_entries_dropped(prefix_cache_.size());
-  prefix_cache_.clear();
+  result.set_entries_dropped(dropped.empty() ? 0 : dropped[0]);
+  return result;
+}
+
+pb::GenerateResult server::generate(const pb::GenerateRequest& request) {
+  if (const pb::PublicationHeader* open = transfer_.open_publication())
+    throw command_error(pb::ERROR_CODE_INVALID_STATE, "generate",
+                        "cannot generate while publication '" + open->publication_id()
+                          + "' is open (its weights are being written); finish_weight_update "
+                            "first");
+  for (const auto& r : worker_reports()) {
+    if (!r.weights_resident)
+      throw command_error(pb::ERROR_CODE_INVALID_STATE, "generate",
+                          "generate needs resident weights, but TP worker " + std::to_string(r.rank)
+                            + " has none (sleep level " + std::to_string(sleep_level_)
+                            + "); wake_up the weights first");
+    if (!r.kv_cache_resident)
+      throw command_error(pb::ERROR_CODE_INVALID_STATE, "generate",
+                          "generate needs the KV cache, but TP worker " + std::to_string(r.rank)
+                            + " has none (sleep level " + std::to_string(sleep_level_)
+                            + "); wake_up the KV cache first");
+  }
+  if (!weights_valid_)
+    throw command_error(pb::ERROR_CODE_INVALID_STATE, "generate",
+                        "the resident weights are not valid (dropped by sleep level 2 or left "
+                        "half-written by a publication); publish weights first");
+
+  const inference::generate_input input = to_input(request);
+  const inference::engine_options options = generation_options();
+  try {
+    inference::plan_request(options_.model,
+                            inference::kv_geometry::of(options_.model, layout_->tp(),
+                                                       options.block_size),
+                            options_.kv_cache_bytes, input);
+  } catch (const inference::request_error& e) {
+    throw command_error(pb::ERROR_CODE_INVALID_ARGUMENT, "generate." + e.where, e.what());
+  }
+
+  const auto start = std::chrono::steady_clock::now();
+  const std::size_t tp = workers_.size();
+  std::vector<std::vector<inference::generation>> results(tp);
+  std::vector<inference::generate_stats> stats(tp);
+  std::vector<std::future<void>> done;
+  for (const auto& w : workers_)
+    done.push_back(w->post([&](worker& self) {
+      try {
+        results[self.rank()] = self.generate(options_.model, options, *comm_, input,
+                                             model_version_, &stats[self.rank()]);
+      } catch (const std::exception& e) {
+        comm_->abort("TP worker " + std::to_string(self.rank()) + " failed: " + e.what());
+        throw;
+      } catch (...) {
+        comm_->abort("TP worker " + std::to_string(self.rank()) + " failed");
+        throw;
+      }
+    }));
+  // Wait for every worker; the cause is the first failure that is not a consequence (a
+  // collective aborted because another worker failed).
+  std::exception_ptr cause;
+  std::uint32_t cause_rank = 0;
+  bool cause_is_abort = false;
+  for (std::uint32_t rank = 0; rank < done.size(); ++rank) {
+    try {
+      done[rank].get();
+    } catch (const inference::comm_error&) {
+      if (!cause) {
+        cause = std::current_exception();
+        cause_rank = rank;
+        cause_is_abort = true;
+      }
+    } catch (...) {
+      if (!cause || cause_is_abort) {
+        cause = std::current_exception();
+        cause_rank = rank;
+        cause_is_abort = false;
+      }
+    }
+  }
+  comm_->reset();
+
+  std::string mismatch;
+  std::uint32_t mismatch_rank = 0;
+  for (std::uint32_t rank = 1; !cause && rank < tp && mismatch.empty(); ++rank) {
+    mismatch = first_difference(results[0], results[rank]);
+    mismatch_rank = rank;
+  }
+  if (cause || !mismatch.empty()) {
+    // Ranks may have stopped at different points: keep their prefix caches identical.
+    reset_prefix_cache();
+    if (!mismatch.empty())
+      throw command_error(pb::ERROR_CODE_INTERNAL, "worker[" + std::to_string(mismatch_rank) + "]",
+                          "TP worker " + std::to_string(mismatch_rank)
+                            + " generated other samples than TP worker 0: " + mismatch);
+    try {
+      std::rethrow_exception(cause);
+    } catch (const inference::request_error& e) {
+      throw command_error(pb::ERROR_CODE_INVALID_ARGUMENT, "generate." + e.where, e.what());
+    } catch (const command_error&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw worker_failure(cause_rank, e.what());
+    } catch (...) {
+      throw worker_failure(cause_rank, "unknown exception");
+    }
+  }
+
+  pb::GenerateResult result;
+  result.set_model_version(model_version_);
+  for (const auto& g : results[0]) {
+    auto* sample = result.add_samples();
+    sample->set_prompt_index(g.prompt_index);
+    sample->mutable_prompt_token_ids()->Add(g.prompt_token_ids.begin(), g.prompt_token_ids.end());
+    sample->mutable_token_ids()->Add(g.token_ids.begin(), g.token_ids.end());
+    sample->mutable_logprobs()->Add(g.logprobs.begin(), g.logprobs.end());
+    sample->set_finish_reason(g.finish_reason);
+    sample->set_prompt_truncated(g.prompt_truncated);
+  }
+  const auto& st = stats[0];
+  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                    std::chrono::steady_clock::now() - start)
+                    .count();
+  log_line("generate: model_version=" + std::to_string(st.model_version)
+           + " prompts=" + std::to_string(st.prompts) + " samples=" + std::to_string(st.samples)
+           + " prompt_tokens=" + std::to_string(st.prompt_tokens)
+           + " prefix_hit_tokens=" + std::to_string(st.prefix_hit_tokens)
+           + " computed_prompt_tokens=" + std::to_string(st.computed_prompt_tokens)
+           + " generated_tokens=" + std::to_string(st.generated_tokens)
+           + " waves=" + std::to_string(st.waves)
+           + " stale_entries_dropped=" + std::to_string(st.stale_entries_dropped)
+           + " ms=" + std::to_string(ms));
   return result;
 }
 

@@ -17,6 +17,8 @@
 #include "runtime/child/weight_transfer.hpp"
 #include "runtime/child/worker.hpp"
 #include "runtime/device.hpp"
+#include "runtime/inference/generator.hpp"
+#include "runtime/inference/tp_comm.hpp"
 #include "runtime/model/qwen3_moe.hpp"
 
 namespace refit::child {
@@ -57,6 +59,7 @@ struct server_options {
   std::uint64_t kv_cache_bytes = 0;  // per worker
   std::size_t max_frame_bytes = 0;
   std::uint64_t seed = 0;            // synthetic checkpoint weights
+  float init_scale = 0.02f;          // their scale (the trainer's trainer.init_scale)
   std::vector<fault_spec> faults;
 };
 
@@ -103,7 +106,12 @@ private:
   pb::DescribeResult describe();
   pb::MemoryResult sleep(const pb::SleepRequest& request);
   pb::MemoryResult wake_up(const pb::WakeUpRequest& request);
+  // Drops every worker's prefix cache (entries dropped: rank 0's count).
   pb::ResetPrefixCacheResult reset_prefix_cache();
+  // Runs the request on every TP worker (SPMD), checks that all ranks produced identical
+  // samples and answers rank 0's. Refused while the weights or the KV cache sleep, while the
+  // weights are invalid and while a publication is open.
+  pb::GenerateResult generate(const pb::GenerateRequest& request);
   pb::InitWeightTransferResult init_weight_transfer(const pb::InitWeightTransferRequest& request);
   // A started publication makes the weights invalid until it finishes.
   pb::StartWeightUpdateResult start_weight_update(const pb::StartWeightUpdateRequest& request);
@@ -117,8 +125,8 @@ private:
   std::uint32_t sleep_level_ = 0;
   bool weights_valid_ = false;
   std::uint64_t model_version_ = 0;
-  // Prompt token prefix -> KV cache block; filled by generation, emptied by reset.
-  std::map<std::vector<std::int32_t>, std::uint64_t> prefix_cache_;
+  // Connects the TP workers during generate; reset after every request.
+  std::unique_ptr<inference::inproc_comm> comm_;
   std::map<pb::Command, std::uint32_t> occurrences_; // requests seen per command
 };
 

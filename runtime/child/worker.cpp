@@ -73,6 +73,7 @@ void worker::release_memory() {
   mappings_.clear();
   resident_ptrs_.clear();
   weights_.reset();
+  engine_.reset();
   kv_cache_.reset();
   weights_backup_.reset();
 }
@@ -101,7 +102,13 @@ void worker::allocate_kv_cache() {
 
 void worker::load_tensor(const model::param_meta& p, const std::byte* canonical) {
   require_weights_resident("load " + p.name);
-  layout_->scatter(p, canonical, rank_, resident_ptrs_);
+  // tp_layout::scatter's placements, copied with bulk_copy_rows: resident weights are written
+  // once per publication and not read back by this thread, so big copies stream past the
+  // cache instead of reading every destination line first.
+  for (const model::placement& pl : layout_->place(p, rank_))
+    publication::bulk_copy_rows(resident_ptrs_[pl.resident_index] + pl.dst_offset,
+                                pl.dst_stride, canonical + pl.src_offset, pl.src_stride,
+                                pl.row_bytes, pl.rows);
 }
 
 void worker::offload_weights() {
@@ -118,7 +125,31 @@ void worker::discard_weights() {
   weights_backup_.reset();
 }
 
-void worker::free_kv_cache() { kv_cache_.reset(); }
+void worker::free_kv_cache() {
+  engine_.reset(); // its prefix cache describes KV that is about to go
+  kv_cache_.reset();
+}
+
+std::vector<inference::generation> worker::generate(const model::model_config& cfg,
+                                                    const inference::engine_options& options,
+                                                    inference::tp_comm& comm,
+                                                    const inference::generate_input& input,
+                                                    std::uint64_t weights_version,
+                                                    inference::generate_stats* stats) {
+  require_weights_resident("generate");
+  if (!kv_cache_)
+    throw std::logic_error("worker " + std::to_string(rank_)
+                           + ": cannot generate without a KV cache");
+  if (!engine_)
+    engine_ = std::make_unique<inference::engine>(cfg, layout_, rank_, kv_cache_.data(),
+                                                  kv_cache_.size(), options);
+  const std::vector<const std::byte*> residents(resident_ptrs_.begin(), resident_ptrs_.end());
+  return engine_->generate(residents, comm, input, weights_version, stats);
+}
+
+std::uint64_t worker::reset_prefix_cache() {
+  return engine_ ? engine_->reset_prefix_cache() : 0;
+}
 
 weights_wake worker::wake_weights() {
   if (weights_)

@@ -22,6 +22,7 @@
 
 #include "runtime/child/device_memory.hpp"
 #include "runtime/device.hpp"
+#include "runtime/inference/generator.hpp"
 #include "runtime/model/qwen3_moe.hpp"
 #include "runtime/publication/host_buffer.hpp"
 
@@ -81,6 +82,19 @@ public:
   // Hex SHA-256 of each resident tensor's bytes, in layout order (weights must be resident).
   std::vector<std::string> resident_sha256() const;
 
+  // This rank's part of a generate request (inference::engine::generate; every worker runs
+  // it at once, connected by `comm`). Needs resident weights and KV cache. The engine (KV
+  // blocks and prefix cache over the KV region) is created on first use and dropped with the
+  // KV cache.
+  std::vector<inference::generation> generate(const model::model_config& cfg,
+                                              const inference::engine_options& options,
+                                              inference::tp_comm& comm,
+                                              const inference::generate_input& input,
+                                              std::uint64_t weights_version,
+                                              inference::generate_stats* stats);
+  // Drops the prefix cache; returns the entries dropped (0 without a KV cache).
+  std::uint64_t reset_prefix_cache();
+
   // The mapping of producer buffer `handle`, or nullptr if this worker has not mapped it.
   const publication::mapped_buffer* find_mapping(const std::string& handle) const;
   // Maps `size` bytes of producer buffer `handle` read-only and keeps the mapping until
@@ -106,6 +120,7 @@ private:
   device_buffer weights_;
   std::vector<std::byte*> resident_ptrs_; // into weights_, one per resident tensor
   device_buffer kv_cache_;
+  std::unique_ptr<inference::engine> engine_; // over kv_cache_; reset before it
   host_backup weights_backup_;
   std::map<std::string, publication::mapped_buffer> mappings_; // by handle string
 

@@ -1,5 +1,7 @@
 #include "runtime/model/qwen3_moe.hpp"
 
+#include "runtime/model/digest.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -640,14 +642,6 @@ void tp_layout::scatter(const param_meta& p, const std::byte* src, std::uint32_t
 
 namespace {
 
-constexpr std::uint64_t golden_gamma = 0x9e3779b97f4a7c15ull;
-
-// splitmix64's output function.
-std::uint64_t mix64(std::uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
 
 std::uint64_t fnv1a64(const std::string& s) {
   std::uint64_t h = 0xcbf29ce484222325ull;

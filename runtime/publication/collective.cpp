@@ -2,13 +2,15 @@
 //   1. arrival: every rank posts its items; when the last one arrives the round is committed.
 //      A rank that reaches its deadline before that abandons the round for everyone (the
 //      collective stays aborted until reset()), naming the ranks that did not arrive.
-//   2. copy: every rank copies every rank's shards into its own outputs (in parallel, outside
-//      the lock), then waits until all copies are done, because other ranks are still reading
-//      its shards. Once committed a round always runs to completion: every rank copies
-//      (or skips copying after a validation failure) and counts itself done, so this wait is
-//      bounded by the memcpy time and needs no deadline; an abort() that comes meanwhile is
-//      reported when the round ends.
+//   2. copy: every rank pushes its own shards into every rank's outputs (in parallel, outside
+//      the lock; each shard is read once and streamed to all outputs, see bulk_copy_to_all),
+//      then waits until all copies are done, because other ranks are still writing into its
+//      outputs. Once committed a round always runs to completion: every rank copies (or skips
+//      copying after a validation failure) and counts itself done, so this wait is bounded by
+//      the memcpy time and needs no deadline; an abort() that comes meanwhile is reported when
+//      the round ends.
 #include "runtime/publication/collective.hpp"
+#include "runtime/publication/host_buffer.hpp"
 
 #include <algorithm>
 #include <cstring>
@@ -91,14 +93,21 @@ collective_status local_collective::all_gather(std::uint32_t rank,
   const std::string mismatch = validate_posted(posted);
   lock.unlock();
   if (mismatch.empty()) {
+    // Push: this rank writes its own shard of every item into every rank's output (slot
+    // `rank`), reading each shard once for all of them. Every rank moves the same bytes.
+    std::vector<std::byte*> outs(world_);
     for (std::size_t i = 0; i < items.size(); ++i) {
       const std::uint64_t shard_bytes = items[i].shard_bytes;
-      for (std::uint32_t src = 0; src < world_; ++src) {
-        const std::byte* from = (*posted[src])[i].shard;
-        std::byte* to = items[i].out + src * shard_bytes;
-        if (shard_bytes > 0 && from != to) // an in-place shard already sits at its output
-          std::memcpy(to, from, shard_bytes);
+      if (shard_bytes == 0)
+        continue;
+      const std::byte* from = items[i].shard;
+      std::size_t count = 0;
+      for (std::uint32_t dst = 0; dst < world_; ++dst) {
+        std::byte* to = (*posted[dst])[i].out + rank * shard_bytes;
+        if (to != from) // an in-place shard already sits at its output
+          outs[count++] = to;
       }
+      bulk_copy_to_all(outs.data(), count, from, shard_bytes);
     }
   }
   lock.lock();

@@ -12,6 +12,25 @@
 
 namespace refit::publication {
 
+// Bulk copies of the host publication path (all-gather into packed buffers, the runtime's
+// scatter into resident weights). The destination is written once and read later by another
+// thread or process, so copies of at least `streaming_copy_min_bytes` use non-temporal
+// (streaming) stores on x86-64: they skip the read-for-ownership of every destination cache
+// line, which is most of a plain memcpy's cost at these sizes, and do not evict the cache.
+// The result is identical to std::memcpy; the stores are fenced before returning, so the
+// usual synchronization (a mutex, a message) publishes them like ordinary stores.
+inline constexpr std::uint64_t streaming_copy_min_bytes = 64 * 1024;
+void bulk_copy(std::byte* dst, const std::byte* src, std::uint64_t bytes);
+// `rows` copies of `row_bytes`: src + r * src_stride -> dst + r * dst_stride (a strided 2-D
+// copy, e.g. a TP column slice); streams when the rows total at least streaming_copy_min_bytes
+// and each row spans at least a few cache lines.
+void bulk_copy_rows(std::byte* dst, std::uint64_t dst_stride, const std::byte* src,
+                    std::uint64_t src_stride, std::uint64_t row_bytes, std::uint64_t rows);
+// One source to `count` destinations (an all-gather pushing a shard into every rank's
+// output): the same as bulk_copy to each of them, but the source is read only once.
+void bulk_copy_to_all(std::byte* const* dsts, std::size_t count, const std::byte* src,
+                      std::uint64_t bytes);
+
 class host_buffer_pool {
 public:
   // Creates `count` buffers of `bytes` each (memfd + shared mapping, pages touched).

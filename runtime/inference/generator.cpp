@@ -1,0 +1,336 @@
+#include "runtime/inference/generator.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+namespace refit::inference {
+
+bool operator==(const generation& a, const generation& b) {
+  if (a.prompt_index != b.prompt_index || a.sample_index != b.sample_index
+      || a.prompt_token_ids != b.prompt_token_ids || a.token_ids != b.token_ids
+      || a.finish_reason != b.finish_reason || a.prompt_truncated != b.prompt_truncated
+      || a.logprobs.size() != b.logprobs.size())
+    return false;
+  return a.logprobs.empty()
+         || std::memcmp(a.logprobs.data(), b.logprobs.data(), a.logprobs.size() * sizeof(float))
+              == 0;
+}
+
+std::uint64_t kv_blocks_needed(std::uint64_t prompt_tokens, std::uint32_t n,
+                               std::uint32_t max_tokens, std::uint32_t block_size) {
+  const std::uint64_t full = prompt_tokens / block_size;
+  // The last sampled token is never fed back, so positions [0, prompt + max_tokens - 1).
+  const std::uint64_t positions = prompt_tokens + max_tokens - 1;
+  const std::uint64_t per_sample = (positions + block_size - 1) / block_size - full;
+  return full + std::uint64_t{n} * per_sample;
+}
+
+request_plan plan_request(const model::model_config& cfg, const kv_geometry& kv,
+                          std::uint64_t kv_cache_bytes, const generate_input& input) {
+  const sampling_config& p = input.params;
+  if (input.prompts.empty())
+    throw request_error("prompts", "the request has no prompts");
+  if (p.n == 0)
+    throw request_error("params.n", "n must be at least 1 (got 0)");
+  if (p.max_tokens == 0)
+    throw request_error("params.max_tokens", "max_tokens must be at least 1 (got 0)");
+  if (!(p.temperature >= 0.0f) || !std::isfinite(p.temperature))
+    throw request_error("params.temperature",
+                        "temperature must be a finite number >= 0 (got "
+                          + std::to_string(p.temperature) + ")");
+  if (!(p.top_p >= 0.0f && p.top_p <= 1.0f))
+    throw request_error("params.top_p", "top_p must be in [0, 1] (0 and 1 disable it; got "
+                                          + std::to_string(p.top_p) + ")");
+
+  request_plan plan;
+  const std::uint64_t block_bytes = kv.block_bytes();
+  const std::uint64_t capacity = block_bytes == 0 ? 0 : kv_cache_bytes / block_bytes;
+  plan.capacity_blocks = static_cast<std::uint32_t>(
+    std::min<std::uint64_t>(capacity, std::numeric_limits<std::uint32_t>::max()));
+  const auto capacity_text = [&] {
+    return "the KV cache of each TP worker holds " + std::to_string(plan.capacity_blocks)
+           + " blocks of " + std::to_string(kv.block_size) + " positions (kv_cache_bytes="
+           + std::to_string(kv_cache_bytes) + ", " + std::to_string(block_bytes)
+           + " bytes per block)";
+  };
+
+  std::vector<std::uint64_t> needs;
+  for (std::size_t i = 0; i < input.prompts.size(); ++i) {
+    const auto& prompt = input.prompts[i];
+    const std::string where = "prompts[" + std::to_string(i) + "].token_ids";
+    if (prompt.empty())
+      throw request_error(where, "prompt " + std::to_string(i) + " has no tokens");
+    for (std::size_t j = 0; j < prompt.size(); ++j)
+      if (prompt[j] < 0 || static_cast<std::uint32_t>(prompt[j]) >= cfg.vocab_size)
+        throw request_error(where + "[" + std::to_string(j) + "]",
+                            "token id " + std::to_string(prompt[j])
+                              + " is outside the vocabulary [0, "
+                              + std::to_string(cfg.vocab_size) + ")");
+    const bool truncate = p.max_prompt_length > 0 && prompt.size() > p.max_prompt_length;
+    plan.prompts.emplace_back(truncate ? prompt.end() - p.max_prompt_length : prompt.begin(),
+                              prompt.end());
+    plan.truncated.push_back(truncate);
+
+    const std::uint64_t length = plan.prompts.back().size();
+    constexpr auto max_positions =
+      static_cast<std::uint64_t>(std::numeric_limits<std::int32_t>::max());
+    if (length + p.max_tokens > max_positions)
+      throw request_error("params.max_tokens",
+                          "prompt " + std::to_string(i) + " (" + std::to_string(length)
+                            + " tokens) plus max_tokens " + std::to_string(p.max_tokens)
+                            + " exceeds the position range");
+    const std::uint64_t need = kv_blocks_needed(length, p.n, p.max_tokens, kv.block_size);
+    if (need > capacity) {
+      const std::uint64_t prompt_only = (length + kv.block_size - 1) / kv.block_size;
+      const std::uint64_t single = kv_blocks_needed(length, 1, p.max_tokens, kv.block_size);
+      const std::string field = prompt_only > capacity ? where
+                                : single > capacity    ? std::string("params.max_tokens")
+                                                       : std::string("params.n");
+      throw request_error(field, "prompt " + std::to_string(i) + " (" + std::to_string(length)
+                                   + " tokens) with n=" + std::to_string(p.n)
+                                   + " and max_tokens=" + std::to_string(p.max_tokens)
+                                   + " needs up to " + std::to_string(need) + " KV blocks ("
+                                   + std::to_string(need * block_bytes) + " bytes), but "
+                                   + capacity_text());
+    }
+    needs.push_back(need);
+  }
+
+  std::uint64_t wave_need = 0;
+  for (std::uint32_t i = 0; i < needs.size(); ++i) {
+    if (plan.waves.empty() || wave_need + needs[i] > capacity) {
+      plan.waves.emplace_back();
+      wave_need = 0;
+    }
+    plan.waves.back().push_back(i);
+    wave_need += needs[i];
+  }
+  return plan;
+}
+
+engine::engine(const model::model_config& cfg, std::shared_ptr<const model::tp_layout> layout,
+               std::uint32_t rank, std::byte* kv_arena, std::uint64_t kv_bytes,
+               engine_options options)
+  : cfg_(cfg),
+    layout_(std::move(layout)),
+    rank_(rank),
+    options_(options),
+    kv_(kv_geometry::of(cfg, layout_->tp(), options.block_size)),
+    arena_(kv_arena),
+    arena_bytes_(kv_bytes),
+    pool_(static_cast<std::uint32_t>(std::min<std::uint64_t>(
+            kv_bytes / kv_.block_bytes(), std::numeric_limits<std::uint32_t>::max())),
+          options.block_size) {
+  if (rank >= layout_->tp())
+    throw std::invalid_argument("engine: rank " + std::to_string(rank) + " >= tp "
+                                + std::to_string(layout_->tp()));
+}
+
+std::uint64_t engine::reset_prefix_cache() {
+  const std::uint64_t dropped = pool_.clear_prefix_cache();
+  ++totals_.cache_resets;
+  return dropped;
+}
+
+namespace {
+
+// A sample (or a prompt being prefilled) and the KV blocks it holds.
+struct sequence {
+  std::uint32_t prompt = 0;
+  std::uint32_t sample = 0;
+  std::vector<std::uint32_t> blocks;
+  std::vector<std::int32_t> tokens; // prompt followed by generated tokens
+  generation* result = nullptr;
+  bool done = false;
+};
+
+// Releases every block still held by the sequences it tracks (also when generate throws).
+class block_guard {
+public:
+  explicit block_guard(block_pool& pool) : pool_(pool) {}
+  ~block_guard() {
+    for (auto* blocks : held_)
+      release(*blocks);
+  }
+  void track(std::vector<std::uint32_t>* blocks) { held_.push_back(blocks); }
+  void untrack_all() { held_.clear(); }
+  // Deepest blocks first, so a chain's leaves are evicted before its parents.
+  void release(std::vector<std::uint32_t>& blocks) {
+    for (auto it = blocks.rbegin(); it != blocks.rend(); ++it)
+      pool_.release(*it);
+    blocks.clear();
+  }
+
+private:
+  block_pool& pool_;
+  std::vector<std::vector<std::uint32_t>*> held_;
+};
+
+} // namespace
+
+std::vector<generation> engine::generate(const std::vector<const std::byte*>& residents,
+                                         tp_comm& comm, const generate_input& input,
+                                         std::uint64_t weights_version, generate_stats* stats) {
+  const request_plan plan = plan_request(cfg_, kv_, arena_bytes_, input);
+  const sampling_config& params = input.params;
+  const std::uint32_t n = params.n;
+  const std::uint32_t block_size = kv_.block_size;
+  const std::size_t vocab = cfg_.vocab_size;
+
+  generate_stats st;
+  st.model_version = weights_version;
+  if (cache_version_ && *cache_version_ != weights_version && pool_.prefix_entries() != 0)
+    st.stale_entries_dropped = reset_prefix_cache();
+  cache_version_ = weights_version;
+
+  rank_forward_options fo;
+  fo.model = cfg_;
+  fo.tp = layout_->tp();
+  fo.rank = rank_;
+  fo.weights = bind_weights(cfg_, *layout_, residents);
+  fo.comm = &comm;
+  fo.kv = kv_;
+  fo.cache_fp32_weights = layout_->resident_bytes() <= options_.fp32_cache_limit_bytes;
+  fo.compute_threads = options_.compute_threads;
+  const std::unique_ptr<rank_forward> model = make_rank_forward(fo);
+
+  std::vector<generation> results(plan.prompts.size() * n);
+  const auto is_stop = [&params](std::int32_t token) {
+    return std::find(params.stop_token_ids.begin(), params.stop_token_ids.end(), token)
+           != params.stop_token_ids.end();
+  };
+
+  for (const auto& wave : plan.waves) {
+    ++st.waves;
+    std::vector<sequence> prompts(wave.size());
+    std::vector<sequence> live;
+    live.reserve(wave.size() * n);
+    block_guard guard(pool_); // after the sequences: releases their blocks before they go
+
+    // ---- prefix-cache lookup for every prompt first, then allocation (so allocating for
+    // one prompt cannot evict the cached prefix of the next)
+    std::vector<std::uint32_t> cached(wave.size());
+    for (std::size_t i = 0; i < wave.size(); ++i) {
+      sequence& s = prompts[i];
+      s.prompt = wave[i];
+      s.tokens = plan.prompts[s.prompt];
+      guard.track(&s.blocks);
+      // Keep at least one prompt token to compute: its logits give the first sample token.
+      const std::size_t reusable = (s.tokens.size() - 1) / block_size;
+      s.blocks = pool_.match_prefix(s.tokens.data(), reusable);
+      cached[i] = static_cast<std::uint32_t>(s.blocks.size() * block_size);
+      st.prefix_hit_blocks += s.blocks.size();
+      st.prefix_hit_tokens += cached[i];
+    }
+    std::vector<forward_item> items;
+    for (std::size_t i = 0; i < wave.size(); ++i) {
+      sequence& s = prompts[i];
+      while (s.blocks.size() * block_size < s.tokens.size())
+        s.blocks.push_back(pool_.allocate());
+      st.prompt_tokens += s.tokens.size();
+      st.computed_prompt_tokens += s.tokens.size() - cached[i];
+    }
+    for (std::size_t i = 0; i < wave.size(); ++i) {
+      const sequence& s = prompts[i];
+      items.push_back({s.blocks.data(), s.blocks.size(), cached[i], s.tokens.data() + cached[i],
+                       static_cast<std::uint32_t>(s.tokens.size() - cached[i])});
+    }
+    const std::vector<float> prompt_logits = model->forward(items, arena_, logits_rows::last_token);
+    ++st.forward_passes;
+    for (const sequence& s : prompts)
+      pool_.insert_prefix(s.tokens.data(), s.tokens.size() / block_size, s.blocks);
+
+    // ---- fork the samples of every prompt and draw their first tokens
+    for (std::size_t i = 0; i < wave.size(); ++i) {
+      sequence& prompt = prompts[i];
+      const std::size_t full = prompt.tokens.size() / block_size;
+      for (std::uint32_t sample = 0; sample < n; ++sample) {
+        sequence s;
+        s.prompt = prompt.prompt;
+        s.sample = sample;
+        s.tokens = prompt.tokens;
+        if (sample + 1 < n) {
+          for (std::size_t b = 0; b < full; ++b) {
+            pool_.retain(prompt.blocks[b]);
+            s.blocks.push_back(prompt.blocks[b]);
+          }
+          if (prompt.blocks.size() > full) { // private copy of the partial block
+            const std::uint32_t copy = pool_.allocate();
+            s.blocks.push_back(copy);
+            std::memcpy(arena_ + copy * kv_.block_bytes(),
+                        arena_ + prompt.blocks[full] * kv_.block_bytes(), kv_.block_bytes());
+          }
+        } else {
+          s.blocks = std::move(prompt.blocks);
+          prompt.blocks.clear();
+        }
+        generation& g = results[std::size_t{s.prompt} * n + sample];
+        g.prompt_index = s.prompt;
+        g.sample_index = sample;
+        g.prompt_token_ids = prompt.tokens;
+        g.prompt_truncated = plan.truncated[s.prompt];
+        s.result = &g;
+        live.push_back(std::move(s));
+      }
+    }
+    for (auto& s : live)
+      guard.track(&s.blocks);
+
+    const auto accept = [&](sequence& s, const float* logits) {
+      const std::uint64_t step = s.result->token_ids.size();
+      const sampled_token t = sample_token(logits, vocab, params, s.prompt, s.sample, step);
+      s.result->token_ids.push_back(t.token);
+      s.result->logprobs.push_back(t.logprob);
+      s.tokens.push_back(t.token);
+      ++st.generated_tokens;
+      if (is_stop(t.token)) {
+        s.result->finish_reason = "stop";
+      } else if (s.result->token_ids.size() >= params.max_tokens) {
+        s.result->finish_reason = "length";
+      } else {
+        return;
+      }
+      s.done = true;
+      guard.release(s.blocks);
+    };
+    for (std::size_t i = 0; i < wave.size(); ++i)
+      for (std::uint32_t sample = 0; sample < n; ++sample)
+        accept(live[i * n + sample], prompt_logits.data() + i * vocab);
+
+    // ---- decode: one batched step per token
+    for (;;) {
+      std::vector<sequence*> active;
+      for (auto& s : live)
+        if (!s.done)
+          active.push_back(&s);
+      if (active.empty())
+        break;
+      items.clear();
+      for (sequence* s : active) {
+        const std::uint32_t position = static_cast<std::uint32_t>(s->tokens.size() - 1);
+        while (s->blocks.size() * block_size <= position)
+          s->blocks.push_back(pool_.allocate());
+        items.push_back({s->blocks.data(), s->blocks.size(), position, &s->tokens.back(), 1});
+      }
+      const std::vector<float> logits = model->forward(items, arena_, logits_rows::last_token);
+      ++st.forward_passes;
+      for (std::size_t i = 0; i < active.size(); ++i)
+        accept(*active[i], logits.data() + i * vocab);
+    }
+    for (auto& s : prompts)
+      guard.release(s.blocks);
+  }
+
+  st.prompts = plan.prompts.size();
+  st.samples = results.size();
+  ++totals_.requests;
+  totals_.prefix_hit_blocks += st.prefix_hit_blocks;
+  totals_.prefix_hit_tokens += st.prefix_hit_tokens;
+  if (stats)
+    *stats = st;
+  return results;
+}
+
+} // namespace refit::inference

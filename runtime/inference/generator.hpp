@@ -1,0 +1,147 @@
+// Generation on one TP rank of refit-runtime (torch-free header).
+//
+// SPMD: every TP worker of a runtime runs engine::generate with the same request on its own
+// shard. All ranks see identical (all-gathered) logits and draw from the same counter-based
+// random streams, so all of them pick identical tokens and produce identical results.
+//
+// A request is validated and planned first (plan_request): prompts longer than
+// max_prompt_length keep their LAST tokens; prompts are grouped into waves whose worst-case KV
+// need fits the worker's KV arena (a prompt that alone does not fit is an INVALID_ARGUMENT,
+// never an allocation elsewhere). Per wave: prefix-cache lookup, one batched prefill, the n
+// samples of each prompt fork from the prompt's KV (full blocks shared, the partial block
+// copied), then batched decode steps until every sample stops ("stop": a stop token was
+// sampled and is included) or reaches max_tokens ("length").
+//
+// The prefix cache is dropped on reset_prefix_cache (the server calls it on every committed
+// publication), when the engine is destroyed (KV cache freed on sleep) and, as a last line of
+// defence, whenever generate is called with another weights version than the cache was
+// filled with: KV computed with old weights is never reused.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "runtime/inference/forward.hpp"
+#include "runtime/inference/kv_cache.hpp"
+#include "runtime/inference/sampling.hpp"
+#include "runtime/inference/tp_comm.hpp"
+#include "runtime/model/qwen3_moe.hpp"
+
+namespace refit::inference {
+
+struct generate_input {
+  std::vector<std::vector<std::int32_t>> prompts;
+  sampling_config params;
+};
+
+struct generation {
+  std::uint32_t prompt_index = 0;
+  std::uint32_t sample_index = 0;
+  std::vector<std::int32_t> prompt_token_ids; // after truncation: what the model saw
+  std::vector<std::int32_t> token_ids;
+  std::vector<float> logprobs;
+  std::string finish_reason; // "stop" | "length"
+  bool prompt_truncated = false;
+};
+// Exact (bitwise for logprobs) equality.
+bool operator==(const generation& a, const generation& b);
+inline bool operator!=(const generation& a, const generation& b) { return !(a == b); }
+
+struct generate_stats {
+  std::uint64_t model_version = 0;
+  std::uint64_t prompts = 0;
+  std::uint64_t samples = 0;
+  std::uint64_t waves = 0;
+  std::uint64_t prompt_tokens = 0;          // after truncation
+  std::uint64_t prefix_hit_tokens = 0;      // prompt positions whose KV came from the cache
+  std::uint64_t prefix_hit_blocks = 0;
+  std::uint64_t computed_prompt_tokens = 0; // prompt positions prefilled
+  std::uint64_t generated_tokens = 0;
+  std::uint64_t forward_passes = 0;
+  std::uint64_t stale_entries_dropped = 0;  // cache entries of another weights version
+};
+
+// A request field is out of range. `where` is relative to the GenerateRequest
+// ("params.temperature", "prompts[1].token_ids[3]"); the server prefixes "generate.".
+struct request_error : std::invalid_argument {
+  request_error(std::string where, const std::string& message)
+    : std::invalid_argument(message), where(std::move(where)) {}
+  std::string where;
+};
+
+struct request_plan {
+  std::vector<std::vector<std::int32_t>> prompts; // after truncation
+  std::vector<bool> truncated;
+  std::vector<std::vector<std::uint32_t>> waves;  // prompt indices per wave, in order
+  std::uint32_t capacity_blocks = 0;
+};
+
+// Worst-case KV blocks of one prompt: its full blocks (shared) plus, per sample, the blocks of
+// positions [full blocks * block_size, prompt + max_tokens - 1).
+std::uint64_t kv_blocks_needed(std::uint64_t prompt_tokens, std::uint32_t n,
+                               std::uint32_t max_tokens, std::uint32_t block_size);
+
+// Validates `input` (throws request_error) and plans it for an arena of kv_cache_bytes.
+request_plan plan_request(const model::model_config& cfg, const kv_geometry& kv,
+                          std::uint64_t kv_cache_bytes, const generate_input& input);
+
+struct engine_options {
+  std::uint32_t block_size = 16;  // positions per KV block (prefix-cache granularity)
+  int compute_threads = 0;        // LibTorch threads of the worker thread (0: leave)
+  // Keep fp32 conversions of the weights during one request when the rank's residents are at
+  // most this large (else convert on every use).
+  std::uint64_t fp32_cache_limit_bytes = std::uint64_t{1} << 30;
+};
+
+class engine {
+public:
+  // `kv_arena` (kv_bytes) must outlive the engine; `layout` is the runtime's TP layout.
+  engine(const model::model_config& cfg, std::shared_ptr<const model::tp_layout> layout,
+         std::uint32_t rank, std::byte* kv_arena, std::uint64_t kv_bytes,
+         engine_options options = {});
+  engine(const engine&) = delete;
+  engine& operator=(const engine&) = delete;
+
+  // One request on this rank (every rank of `comm` must call it with the same arguments).
+  // `residents`: this rank's resident tensors (layout order); `weights_version`: the
+  // committed model version those weights are. Results: prompt-major, n samples per prompt.
+  std::vector<generation> generate(const std::vector<const std::byte*>& residents,
+                                   tp_comm& comm, const generate_input& input,
+                                   std::uint64_t weights_version,
+                                   generate_stats* stats = nullptr);
+
+  // Drops the prefix cache; returns the number of entries dropped.
+  std::uint64_t reset_prefix_cache();
+  std::uint64_t prefix_cache_entries() const { return pool_.prefix_entries(); }
+  std::uint32_t capacity_blocks() const { return pool_.capacity(); }
+  std::uint32_t available_blocks() const { return pool_.available(); }
+  const kv_geometry& geometry() const { return kv_; }
+
+  // Lifetime counters (for tests and logs).
+  struct totals {
+    std::uint64_t requests = 0;
+    std::uint64_t prefix_hit_blocks = 0;
+    std::uint64_t prefix_hit_tokens = 0;
+    std::uint64_t cache_resets = 0;
+  };
+  const totals& lifetime() const { return totals_; }
+
+private:
+  const model::model_config cfg_;
+  const std::shared_ptr<const model::tp_layout> layout_;
+  const std::uint32_t rank_;
+  const engine_options options_;
+  const kv_geometry kv_;
+  std::byte* const arena_;
+  const std::uint64_t arena_bytes_;
+  block_pool pool_;
+  std::optional<std::uint64_t> cache_version_;
+  totals totals_;
+};
+
+} // namespace refit::inference
