@@ -608,8 +608,8 @@ rollout_engine_actor::behavior_type rollout_engine(self_ptr self, rollout_engine
             mark_broken(self, err, true);
             return (void)rp.deliver(err);
           }
-          st.committed_version = res.model_version;
-          st.needs_publication = false;
+          // The runtime committed; the engine reports the version once the IPC imports are
+          // released (a failure before that poisons and leaves the version unchanged).
           st.update_open = false;
           st.ipc_open = true;
           st.runtime.model_version = res.model_version;
@@ -633,6 +633,10 @@ rollout_engine_actor::behavior_type rollout_engine(self_ptr self, rollout_engine
       forward<std::uint32_t>(self, rp, true, t.release_ipc,
         [=](std::uint32_t&, decltype(rp)& rp) mutable {
           auto& st = self->state;
+          if (st.ipc_open) { // Committed -> Released: the version is now the engine's
+            st.committed_version = st.header.model_version;
+            st.needs_publication = false;
+          }
           st.ipc_open = false;
           st.transfer_initialized = false;
           rp.deliver(st.status());

@@ -1,5 +1,7 @@
 #include "actors/runtime_proxy.hpp"
 
+#include <cstdio>
+
 #include <caf/actor_cast.hpp>
 #include <caf/event_based_actor.hpp>
 #include <caf/send.hpp>
@@ -18,6 +20,8 @@ using self_ptr = runtime_proxy_impl::stateful_pointer<runtime_proxy_state>;
 
 std::vector<std::string> runtime_arguments(const runtime_proxy_options& opts) {
   const auto& rt = opts.runtime;
+  char init_scale[32];
+  std::snprintf(init_scale, sizeof(init_scale), "%.9g", static_cast<double>(opts.init_scale));
   std::string devices;
   for (const auto& d : rt.devices)
     devices += (devices.empty() ? "" : ",") + d;
@@ -27,7 +31,8 @@ std::vector<std::string> runtime_arguments(const runtime_proxy_options& opts) {
                                 "--model", config::model_to_yaml(opts.model),
                                 "--kv-cache-bytes", std::to_string(rt.kv_cache_bytes),
                                 "--max-frame-bytes", std::to_string(rt.max_frame_bytes),
-                                "--seed", std::to_string(opts.seed)};
+                                "--seed", std::to_string(opts.seed),
+                                "--init-scale", init_scale};
   for (const auto& f : rt.faults) {
     args.emplace_back("--fault");
     args.push_back(f.command + ":" + f.kind + ":" + std::to_string(f.after));

@@ -23,6 +23,7 @@ struct runtime_proxy_options {
   config::runtime_config runtime;
   model::model_config model;
   std::uint64_t seed = 0;            // checkpoint weights of the runtime (version 0)
+  float init_scale = 0.02f;          // ... and their scale
   std::string executable_path;       // resolved path of refit-runtime
 };
 

@@ -84,8 +84,9 @@ std::chrono::milliseconds gate_timeout(const sync_coordinator_state& st) {
 }
 
 // Any failure: Poisoned. The runtime is poisoned (killed, restarted by its supervisor), every
-// rank drops its buffers, the caller gets `err`, and the coordinator is Idle again with the
-// committed version unchanged.
+// rank drops its buffers, and the coordinator is Idle again with the committed version
+// unchanged. With republish attempts left, it waits for the fresh runtime and publishes the
+// same weights again (same model version); otherwise the caller gets `err`.
 void poison(self_ptr self, caf::error err) {
   auto& st = self->state;
   auto ctx = st.ctx;
@@ -97,12 +98,36 @@ void poison(self_ptr self, caf::error err) {
   gate_failure g{ctx->current, 0, st.last_error};
   for (const auto& r : st.ranks)
     self->send(r, abort_atom::value, g);
-  self->request(st.engine, engine_timeout(st, st.opts.timeouts_ms.shutdown), poison_atom::value,
-                "publication " + ctx->id + " failed: " + st.last_error)
-    .then([](engine_status&) {}, [](caf::error&) {});
-  ctx->rp.deliver(err);
   st.ctx.reset();
   enter(self, publication_state::idle);
+  bool retry = ctx->attempt <= st.opts.publication.republish_attempts;
+  pending_republish next;
+  if (retry) {
+    next.version = ctx->version;
+    next.rp = ctx->rp;
+    next.next_attempt = ctx->attempt + 1;
+    next.errors = ctx->recovered_errors;
+    next.errors.push_back(st.last_error);
+    next.last_error = err;
+    next.deadline = clock_type::now() + std::chrono::milliseconds(st.opts.restart_wait_ms);
+    st.retry = std::move(next);
+  } else {
+    ctx->rp.deliver(err);
+  }
+  self->request(st.engine, engine_timeout(st, st.opts.timeouts_ms.shutdown), poison_atom::value,
+                "publication " + ctx->id + " failed: " + st.last_error)
+    .then(
+      [self, retry](engine_status& s) {
+        auto& st = self->state;
+        if (retry && st.retry) {
+          st.retry->failed_incarnation = s.incarnation;
+          self->send(self, restart_atom::value);
+        }
+      },
+      [self, retry](caf::error&) {
+        if (retry && self->state.retry)
+          self->send(self, restart_atom::value);
+      });
 }
 
 // A response handler for `T` that runs `next` only if `ctx` is still the publication in
@@ -136,7 +161,7 @@ void phase(self_ptr self, std::shared_ptr<publication_ctx> ctx, phase_kind kind,
     self->send(r, xs...);
 }
 
-void release_and_finalize(self_ptr self, std::shared_ptr<publication_ctx> ctx);
+void finalize(self_ptr self, std::shared_ptr<publication_ctx> ctx);
 
 void check_verification(self_ptr self, std::shared_ptr<publication_ctx> ctx) {
   if (!ctx->verify_error.empty())
@@ -159,7 +184,7 @@ void check_verification(self_ptr self, std::shared_ptr<publication_ctx> ctx) {
                                                + have[i].sha256.substr(0, 16) + " != "
                                                + want[i].sha256.substr(0, 16) + ")"));
   }
-  release_and_finalize(self, ctx);
+  finalize(self, ctx);
 }
 
 void finish(self_ptr self, std::shared_ptr<publication_ctx> ctx) {
@@ -174,10 +199,9 @@ void finish(self_ptr self, std::shared_ptr<publication_ctx> ctx) {
                                                                  - ctx->first_chunk)
                                      .count();
                     ctx->commit = std::move(res);
-                    st.committed_version = ctx->version;
                     enter(self, publication_state::committed);
                     if (!ctx->verify)
-                      return release_and_finalize(self, ctx);
+                      return finalize(self, ctx);
                     if (ctx->verify_done)
                       return check_verification(self, ctx);
                     ctx->commit_waiting_for_verify = true;
@@ -185,37 +209,42 @@ void finish(self_ptr self, std::shared_ptr<publication_ctx> ctx) {
           on_error(self, ctx));
 }
 
-void release_and_finalize(self_ptr self, std::shared_ptr<publication_ctx> ctx) {
-  auto& st = self->state;
-  self->request(st.engine, engine_timeout(st, st.opts.timeouts_ms.release_ipc), release_atom::value)
-    .then(guarded<engine_status>(self, ctx,
-                  [self, ctx](engine_status&) {
-                    enter(self, publication_state::released);
-                    publication_result res;
-                    res.publication_id = ctx->id;
-                    res.model_version = ctx->version;
-                    res.manifest_fingerprint = ctx->fingerprint;
-                    res.tensors = ctx->expected.size();
-                    res.bytes = ctx->plan.total_tensor_bytes;
-                    res.chunks = static_cast<std::uint32_t>(ctx->plan.chunks.size());
-                    res.trainer_ranks = static_cast<std::uint32_t>(self->state.ranks.size());
-                    res.tp = ctx->runtime.tp_world_size;
-                    res.seconds = ctx->seconds;
-                    res.receipts = ctx->commit.receipts;
-                    // Validation point 7: every rank checks the committed result.
-                    phase(self, ctx, phase_kind::final, 0,
-                          [self, ctx, res](std::vector<rank_report>&) {
-                            auto& st = self->state;
-                            ++st.publications;
-                            auto out = res;
-                            out.peak_buffer_bytes = ctx->peak_bytes;
-                            ctx->rp.deliver(out);
-                            st.ctx.reset();
-                            enter(self, publication_state::idle);
-                          },
-                          final_atom::value, res);
-                  }),
-          on_error(self, ctx));
+// Committed -> (every rank checks the result: validation point 7) -> release -> Released ->
+// Idle. The version counts as committed, for the coordinator and the engine, only once the
+// IPC imports are released: a failure before that poisons and leaves it unchanged.
+void finalize(self_ptr self, std::shared_ptr<publication_ctx> ctx) {
+  publication_result res;
+  res.publication_id = ctx->id;
+  res.model_version = ctx->version;
+  res.manifest_fingerprint = ctx->fingerprint;
+  res.tensors = ctx->expected.size();
+  res.bytes = ctx->plan.total_tensor_bytes;
+  res.chunks = static_cast<std::uint32_t>(ctx->plan.chunks.size());
+  res.trainer_ranks = static_cast<std::uint32_t>(self->state.ranks.size());
+  res.tp = ctx->runtime.tp_world_size;
+  res.seconds = ctx->seconds;
+  res.peak_buffer_bytes = ctx->peak_bytes;
+  res.receipts = ctx->commit.receipts;
+  res.attempts = ctx->attempt;
+  res.recovered_errors = ctx->recovered_errors;
+  phase(self, ctx, phase_kind::final, 0,
+        [self, ctx, res](std::vector<rank_report>&) {
+          auto& st = self->state;
+          self->request(st.engine, engine_timeout(st, st.opts.timeouts_ms.release_ipc),
+                        release_atom::value)
+            .then(guarded<engine_status>(self, ctx,
+                                         [self, ctx, res](engine_status&) {
+                                           auto& st = self->state;
+                                           enter(self, publication_state::released);
+                                           st.committed_version = ctx->version;
+                                           ++st.publications;
+                                           ctx->rp.deliver(res);
+                                           st.ctx.reset();
+                                           enter(self, publication_state::idle);
+                                         }),
+                  on_error(self, ctx));
+        },
+        final_atom::value, res);
 }
 
 void check_manifests(self_ptr self, std::shared_ptr<publication_ctx> ctx) {
@@ -425,6 +454,28 @@ void begin(self_ptr self, std::shared_ptr<publication_ctx> ctx) {
           on_error(self, ctx));
 }
 
+// One attempt of publishing `version` (attempt > 1: a republish after failures).
+void start_attempt(self_ptr self, std::uint64_t version,
+                   caf::typed_response_promise<publication_result> rp, std::uint32_t attempt,
+                   std::vector<std::string> recovered) {
+  auto& st = self->state;
+  auto ctx = std::make_shared<publication_ctx>();
+  ctx->id = random_publication_id();
+  ctx->version = version;
+  ctx->rp = std::move(rp);
+  ctx->attempt = attempt;
+  ctx->recovered_errors = std::move(recovered);
+  ctx->verify = st.opts.publication.verify;
+  ctx->current = phase_id{ctx->id, static_cast<std::uint8_t>(phase_kind::prepare), 0};
+  // The expected stream is planned from the config alone, independent of what the ranks emit.
+  ctx->expected = model::expected_key_stream(st.opts.model);
+  ctx->fingerprint = model::structural_manifest(ctx->expected);
+  st.transitions.clear();
+  st.transitions.emplace_back(to_string(publication_state::idle));
+  st.ctx = ctx;
+  begin(self, ctx);
+}
+
 } // namespace
 
 sync_coordinator_impl::behavior_type
@@ -439,9 +490,10 @@ sync_coordinator(self_ptr self, sync_coordinator_options opts, rollout_engine_ac
   return {
     [=](publish_atom, std::uint64_t version) -> caf::result<publication_result> {
       auto& st = self->state;
-      if (st.ctx)
+      if (st.ctx || st.retry)
         return make_refit_error(errc::busy, "publish",
-                                "publication '" + st.ctx->id + "' is in progress");
+                                st.ctx ? "publication '" + st.ctx->id + "' is in progress"
+                                       : "a failed publication is being republished");
       if (version <= st.committed_version)
         return make_refit_error(errc::invalid_argument, "publish.model_version",
                                 "model version " + std::to_string(version)
@@ -449,27 +501,42 @@ sync_coordinator(self_ptr self, sync_coordinator_options opts, rollout_engine_ac
                                   + std::to_string(st.committed_version));
       if (st.ranks.empty())
         return make_refit_error(errc::invalid_state, "publish", "no trainer ranks");
-      auto ctx = std::make_shared<publication_ctx>();
-      ctx->id = random_publication_id();
-      ctx->version = version;
-      ctx->rp = self->make_response_promise<publication_result>();
-      ctx->verify = st.opts.publication.verify;
-      ctx->current = phase_id{ctx->id, static_cast<std::uint8_t>(phase_kind::prepare), 0};
-      st.transitions.clear();
-      st.transitions.emplace_back(to_string(publication_state::idle));
-      st.ctx = ctx;
-      try {
-        // The expected stream is planned from the config alone, independent of what the
-        // ranks will emit.
-        ctx->expected = model::expected_key_stream(st.opts.model);
-        ctx->fingerprint = model::structural_manifest(ctx->expected);
-      } catch (const model::model_error& e) {
-        auto rp = ctx->rp;
-        poison(self, make_refit_error(errc::preflight_failed, e.where, e.what()));
-        return rp;
-      }
-      begin(self, ctx);
-      return ctx->rp;
+      auto rp = self->make_response_promise<publication_result>();
+      start_attempt(self, version, rp, 1, {});
+      return rp;
+    },
+    [=](restart_atom) {
+      // A republish waits for the supervisor to attach a fresh runtime.
+      auto& st = self->state;
+      if (!st.retry)
+        return;
+      self->request(st.engine, engine_timeout(st, st.opts.timeouts_ms.describe), status_atom::value)
+        .then(
+          [self](engine_status& s) {
+            auto& st = self->state;
+            if (!st.retry)
+              return;
+            auto& r = *st.retry;
+            if (s.incarnation > r.failed_incarnation && s.conn() == connection_state::idle) {
+              auto retry = std::move(r);
+              st.retry.reset();
+              start_attempt(self, retry.version, retry.rp, retry.next_attempt, retry.errors);
+            } else if (s.gave_up || clock_type::now() > r.deadline) {
+              auto retry = std::move(r);
+              st.retry.reset();
+              retry.rp.deliver(retry.last_error);
+            } else {
+              self->delayed_send(self, std::chrono::milliseconds(20), restart_atom::value);
+            }
+          },
+          [self](caf::error&) {
+            auto& st = self->state;
+            if (!st.retry)
+              return;
+            auto retry = std::move(*st.retry);
+            st.retry.reset();
+            retry.rp.deliver(retry.last_error);
+          });
     },
     [=](status_atom) { return self->state.status(); },
     [=](done_atom, const std::string& id, std::vector<receipt>& sums, const std::string& error) {

@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -28,6 +29,7 @@ struct sync_coordinator_options {
   config::timeouts timeouts_ms;       // the runtime's per-command timeouts
   std::uint32_t kill_grace_ms = 2000;
   model::synthetic_weights weights;   // the trainer's weights (for the byte-exact verifier)
+  std::uint32_t restart_wait_ms = 60000; // a republish waits this long for a fresh runtime
 };
 
 // Everything about the publication in flight.
@@ -51,11 +53,26 @@ struct publication_ctx {
   std::vector<receipt> expected_checksums; // per TP rank, from the trainer's full weights
   std::string verify_error;
   phase_id current;                      // for error reports
+  std::uint32_t attempt = 1;             // 1 + republishes so far
+  std::vector<std::string> recovered_errors;
+};
+
+// A failed publication waiting for the supervisor's fresh runtime, to be published again.
+struct pending_republish {
+  std::uint64_t version = 0;
+  caf::typed_response_promise<publication_result> rp;
+  std::uint32_t next_attempt = 2;
+  std::vector<std::string> errors;       // every failure so far
+  caf::error last_error;
+  std::uint64_t failed_incarnation = 0;  // the poisoned runtime
+  std::chrono::steady_clock::time_point deadline;
 };
 
 using sync_coordinator_impl = sync_coordinator_actor::extend<
   // The worker thread finished the verifier's expected checksums (or failed: error text).
-  caf::reacts_to<done_atom, std::string, std::vector<receipt>, std::string>>;
+  caf::reacts_to<done_atom, std::string, std::vector<receipt>, std::string>,
+  // Poll for the fresh runtime a pending republish waits for.
+  caf::reacts_to<restart_atom>>;
 
 struct sync_coordinator_state {
   static inline const char* name = "SyncCoordinator";
@@ -71,6 +88,7 @@ struct sync_coordinator_state {
   std::string last_error;
   std::vector<std::string> transitions;
   std::shared_ptr<publication_ctx> ctx;
+  std::optional<pending_republish> retry;
   std::unique_ptr<worker_thread> worker; // last member: joined first
 
   coordinator_status status() const;

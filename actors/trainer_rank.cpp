@@ -28,8 +28,9 @@ rank_info trainer_rank_state::info() const {
 
 namespace {
 
-const config::trainer_fault* find_fault(const trainer_rank_options& o, const std::string& kind) {
-  for (const auto& f : o.faults)
+// The test-only fault of `kind` armed for this publication, if any.
+const config::trainer_fault* find_fault(const rank_session& s, const std::string& kind) {
+  for (const auto& f : s.faults)
     if (f.kind == kind)
       return &f;
   return nullptr;
@@ -76,7 +77,7 @@ rank_report run_prepare(const trainer_rank_options& o, const publication::shard_
       return failed(r, "this rank plans " + std::to_string(s.plan.chunks.size())
                          + " chunks, the coordinator " + std::to_string(s.spec.chunk_count));
     // The exporter's stream: every shard in canonical order, minus test-only drops.
-    const auto* drop = find_fault(o, "drop_tensor");
+    const auto* drop = find_fault(s, "drop_tensor");
     for (std::size_t i = 0; i < shards.params().size(); ++i)
       if (!drop || shards.params()[i].name != drop->tensor)
         s.stream.push_back(i);
@@ -97,12 +98,12 @@ rank_report run_materialize(const trainer_rank_options& o, const std::string& uu
   if (k >= s.plan.chunks.size())
     return failed(r, "chunk " + std::to_string(k) + " is not in the plan ("
                        + std::to_string(s.plan.chunks.size()) + " chunks)");
-  if (const auto* f = find_fault(o, "fail_materialize"); f && f->chunk == k)
+  if (const auto* f = find_fault(s, "fail_materialize"); f && f->chunk == k)
     return failed(r, "injected materialization failure at chunk " + std::to_string(k));
   const auto& chunk = s.plan.chunks[k];
   auto slot = k % s.pool->count();
   std::byte* buffer = s.pool->data(slot);
-  const auto* wrong_shape = find_fault(o, "wrong_shape");
+  const auto* wrong_shape = find_fault(s, "wrong_shape");
   std::vector<publication::gather_item> items;
   for (const auto& planned : chunk.tensors) {
     if (s.cursor >= s.stream.size())
@@ -158,6 +159,8 @@ trainer_rank_impl::behavior_type trainer_rank(self_ptr self, trainer_rank_option
   st.shards = std::make_shared<publication::shard_store>(model::expected_key_stream(st.opts.model),
                                                          st.opts.world, st.opts.rank,
                                                          st.opts.weights);
+  for (const auto& f : st.opts.faults)
+    st.faults.push_back({f, false});
   st.worker = std::make_unique<worker_thread>();
   // Worker results come back as messages; the thread holds only a weak reference.
   caf::actor_addr weak = self->address();
@@ -202,6 +205,12 @@ trainer_rank_impl::behavior_type trainer_rank(self_ptr self, trainer_rank_option
       auto session = std::make_shared<rank_session>();
       session->spec = spec;
       session->coll = st.opts.collectives->for_publication(spec.publication_id);
+      // Arm this rank's test-only faults; one-shot faults are spent by this publication.
+      for (auto& f : st.faults)
+        if (f.fault.repeat || !f.spent) {
+          session->faults.push_back(f.fault);
+          f.spent = true;
+        }
       st.session = session;
       st.last_transferred = -1;
       st.materialized_bytes = 0;
@@ -222,7 +231,7 @@ trainer_rank_impl::behavior_type trainer_rank(self_ptr self, trainer_rank_option
                                  "transferred chunk is " + std::to_string(st.last_transferred)));
         return;
       }
-      if (const auto* f = find_fault(st.opts, "never_report"); f && f->chunk == k)
+      if (const auto* f = find_fault(*st.session, "never_report"); f && f->chunk == k)
         return; // test-only: this rank stays silent; the gate's deadline must catch it
       st.worker->post([o = st.opts, uuid = st.uuid, shards = st.shards, session = st.session, k,
                        r, post_back]() mutable {
@@ -261,7 +270,7 @@ trainer_rank_impl::behavior_type trainer_rank(self_ptr self, trainer_rank_option
         report(self, failed(r, "no open publication '" + pub + "' on this rank"));
         return;
       }
-      bool forge = find_fault(st.opts, "wrong_manifest") != nullptr;
+      bool forge = find_fault(*st.session, "wrong_manifest") != nullptr;
       st.worker->post([session = st.session, r, forge, post_back]() mutable {
         auto emitted = session->emitted;
         if (forge && !emitted.empty())
@@ -279,7 +288,7 @@ trainer_rank_impl::behavior_type trainer_rank(self_ptr self, trainer_rank_option
         return;
       }
       const auto& spec = st.session->spec;
-      if (find_fault(st.opts, "reject_final"))
+      if (find_fault(*st.session, "reject_final"))
         r = failed(r, "injected rejection of the final result");
       else if (res.model_version != spec.model_version)
         r = failed(r, "committed version " + std::to_string(res.model_version)

@@ -43,6 +43,7 @@ struct rank_session {
   std::vector<std::size_t> stream;         // emission order (indices into the shard store)
   std::size_t cursor = 0;
   std::vector<model::param_meta> emitted;  // the actual manifest
+  std::vector<config::trainer_fault> faults; // test-only faults armed for this publication
 };
 
 using trainer_rank_impl = trainer_rank_actor::extend<
@@ -62,6 +63,11 @@ struct trainer_rank_state {
   std::int64_t last_transferred = -1;    // chunk index whose transfer this rank reported
   std::uint64_t materialized_bytes = 0;  // packed bytes gathered but not yet transferred
   std::uint64_t peak_materialized_bytes = 0;
+  struct armed_fault {
+    config::trainer_fault fault;
+    bool spent = false; // a one-shot fault already fired in a publication
+  };
+  std::vector<armed_fault> faults;       // from opts.faults
   std::unique_ptr<worker_thread> worker; // last member: joined first
 
   rank_info info() const;

@@ -365,13 +365,15 @@ struct publication_result {
   double seconds = 0;                 // first chunk requested -> version committed
   std::uint64_t peak_buffer_bytes = 0;// packed-buffer bytes materialized at once (per rank)
   std::vector<receipt> receipts;
+  std::uint32_t attempts = 1;         // > 1: earlier attempts failed and were republished
+  std::vector<std::string> recovered_errors; // why each earlier attempt failed
 };
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, publication_result& x) {
   return f(caf::meta::type_name("publication_result"), x.publication_id, x.model_version,
            x.manifest_fingerprint, x.tensors, x.bytes, x.chunks, x.trainer_ranks, x.tp,
-           x.seconds, x.peak_buffer_bytes, x.receipts);
+           x.seconds, x.peak_buffer_bytes, x.receipts, x.attempts, x.recovered_errors);
 }
 
 // SyncCoordinator's publication state machine (the seed's states).

@@ -32,9 +32,16 @@ proxy_factory make_runtime_proxy_factory(const config::refit_config& cfg,
   opts.runtime = cfg.runtime;
   opts.model = cfg.model;
   opts.seed = cfg.job.seed;
+  opts.init_scale = cfg.trainer.init_scale;
   opts.executable_path = std::move(runtime_exe);
-  return [opts](caf::actor_system& sys, std::uint64_t) -> runtime_proxy_actor {
-    return sys.spawn(runtime_proxy, opts);
+  return [opts](caf::actor_system& sys, std::uint64_t incarnation) -> runtime_proxy_actor {
+    // Test-only faults go to the incarnation they name (0 = every one).
+    auto o = opts;
+    o.runtime.faults.clear();
+    for (const auto& f : opts.runtime.faults)
+      if (f.incarnation == 0 || f.incarnation == incarnation)
+        o.runtime.faults.push_back(f);
+    return sys.spawn(runtime_proxy, std::move(o));
   };
 }
 
@@ -81,6 +88,9 @@ publication_handles spawn_publication(caf::actor_system& sys, const config::refi
   so.timeouts_ms = cfg.runtime.timeouts_ms;
   so.kill_grace_ms = cfg.runtime.kill_grace_ms;
   so.weights = weights;
+  // A republish waits for the supervisor's whole restart schedule plus one startup.
+  so.restart_wait_ms = cfg.runtime.timeouts_ms.startup
+                       + cfg.supervisor.backoff_max_ms * (cfg.supervisor.max_restarts + 1) + 10000;
   h.coordinator = sys.spawn(sync_coordinator, so, engine, h.gate, h.ranks);
   return h;
 }

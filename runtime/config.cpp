@@ -374,6 +374,8 @@ void read_fault(yaml_reader& r, const YAML::Node& node, const std::string& path,
      true},
     {"kind", [&](const YAML::Node& v, const std::string& p) { f.kind = r.string(v, p); }, true},
     {"after", [&](const YAML::Node& v, const std::string& p) { f.after = r.u32(v, p); }},
+    {"incarnation",
+     [&](const YAML::Node& v, const std::string& p) { f.incarnation = r.u32(v, p); }},
   });
 }
 
@@ -429,6 +431,7 @@ void read_trainer_fault(yaml_reader& r, const YAML::Node& node, const std::strin
     {"kind", [&](const YAML::Node& v, const std::string& p) { f.kind = r.string(v, p); }, true},
     {"tensor", [&](const YAML::Node& v, const std::string& p) { f.tensor = r.string(v, p); }},
     {"chunk", [&](const YAML::Node& v, const std::string& p) { f.chunk = r.u32(v, p); }},
+    {"repeat", [&](const YAML::Node& v, const std::string& p) { f.repeat = r.boolean(v, p); }},
   });
 }
 
@@ -470,6 +473,8 @@ void read_publication(yaml_reader& r, const YAML::Node& node, const std::string&
      [&](const YAML::Node& v, const std::string& p) { pc.gate_deadline_ms = r.u32(v, p); }},
     {"memory_headroom_bytes",
      [&](const YAML::Node& v, const std::string& p) { pc.memory_headroom_bytes = r.u64(v, p); }},
+    {"republish_attempts",
+     [&](const YAML::Node& v, const std::string& p) { pc.republish_attempts = r.u32(v, p); }},
   });
 }
 
@@ -478,6 +483,25 @@ void read_job(yaml_reader& r, const YAML::Node& node, const std::string& path, j
     {"iterations",
      [&](const YAML::Node& v, const std::string& p) { j.iterations = r.u32(v, p); }},
     {"seed", [&](const YAML::Node& v, const std::string& p) { j.seed = r.u64(v, p); }},
+    {"prompts",
+     [&](const YAML::Node& v, const std::string& p) {
+       j.prompts.clear();
+       r.read_sequence(v, p, [&](const YAML::Node& element, const std::string& element_path) {
+         j.prompts.push_back(r.string(element, element_path));
+       });
+     }},
+    {"n", [&](const YAML::Node& v, const std::string& p) { j.n = r.u32(v, p); }},
+    {"max_tokens", [&](const YAML::Node& v, const std::string& p) { j.max_tokens = r.u32(v, p); }},
+    {"temperature", [&](const YAML::Node& v, const std::string& p) {
+       j.temperature = static_cast<float>(r.number(v, p)); }},
+    {"top_k", [&](const YAML::Node& v, const std::string& p) {
+       j.top_k = static_cast<std::int32_t>(r.unsigned_integer(v, p, 1u << 30)); }},
+    {"top_p", [&](const YAML::Node& v, const std::string& p) {
+       j.top_p = static_cast<float>(r.number(v, p)); }},
+    {"max_prompt_length", [&](const YAML::Node& v, const std::string& p) {
+       j.max_prompt_length = r.u32(v, p); }},
+    {"parity_tolerance", [&](const YAML::Node& v, const std::string& p) {
+       j.parity_tolerance = static_cast<float>(r.number(v, p)); }},
   });
 }
 
@@ -587,8 +611,23 @@ void validate_config(const refit_config& cfg, const locator& locate) {
   check_one_of("publication.transport", pc.transport, {"shm", "cuda_ipc"});
   check_range("publication.gate_deadline_ms", pc.gate_deadline_ms, timeout_min_ms,
               timeout_max_ms);
+  check_range("publication.republish_attempts", pc.republish_attempts, 0, 10);
 
-  check_at_least("job.iterations", cfg.job.iterations, 1);
+  const job_config& jb = cfg.job;
+  check_at_least("job.iterations", jb.iterations, 1);
+  if (jb.prompts.empty())
+    fail("job.prompts", "at least one prompt is required");
+  for (std::size_t i = 0; i < jb.prompts.size(); ++i)
+    if (jb.prompts[i].empty())
+      fail(index_path("job.prompts", i), "a prompt must not be empty");
+  check_range("job.n", jb.n, 1, 64);
+  check_range("job.max_tokens", jb.max_tokens, 1, 4096);
+  if (!(jb.temperature >= 0.0f && jb.temperature <= 10.0f))
+    fail("job.temperature", std::to_string(jb.temperature) + " is out of range [0, 10]");
+  if (!(jb.top_p > 0.0f && jb.top_p <= 1.0f))
+    fail("job.top_p", std::to_string(jb.top_p) + " is out of range (0, 1]");
+  if (!(jb.parity_tolerance > 0.0f && jb.parity_tolerance < 1.0f))
+    fail("job.parity_tolerance", std::to_string(jb.parity_tolerance) + " is out of range (0, 1)");
 
   try {
     model::validate(cfg.model, rt.tp_size);

@@ -44,6 +44,7 @@ struct runtime_fault {
   std::string kind;    // stall | exit | sigkill | error | bad_frame | wrong_id | wrong_command |
                        // wrong_result | wrong_version | forge_receipt
   std::uint32_t after = 0; // apply on the (after+1)-th occurrence of the command
+  std::uint32_t incarnation = 1; // the runtime incarnation it is injected into (0 = every one)
 };
 
 struct runtime_config {
@@ -71,6 +72,7 @@ struct trainer_fault {
                            // wrong_manifest | reject_final
   std::string tensor;      // drop_tensor / wrong_shape: canonical tensor name
   std::uint32_t chunk = 0; // fail_materialize / never_report: chunk index
+  bool repeat = false;     // false: fires in one publication only (a republish then succeeds)
 };
 
 // Trainer ranks: one per device of runtime.devices (colocated: rank r and TP worker r share
@@ -89,11 +91,24 @@ struct publication_config {
   bool verify = false;                      // byte-exact verifier after commit
   std::uint32_t gate_deadline_ms = 30000;   // a rank missing a phase by then fails it
   std::uint64_t memory_headroom_bytes = 64u << 20;
+  // After a failed (poisoned) publication, wait for the supervisor's fresh runtime and publish
+  // the same weights again, up to this many times, before reporting the failure.
+  std::uint32_t republish_attempts = 1;
 };
 
+// The main job (refit-coordinator): K iterations of generate -> optimizer step -> sleep(2)
+// -> wake(weights) -> publish -> wake(kv_cache) -> generate, with a parity check each time.
 struct job_config {
   std::uint32_t iterations = 3;
-  std::uint64_t seed = 1234;
+  std::uint64_t seed = 1234;       // synthetic trainer weights (and the runtime's checkpoint)
+  std::vector<std::string> prompts = {"The quick brown fox", "Colocated RL publishes weights"};
+  std::uint32_t n = 2;             // samples per prompt
+  std::uint32_t max_tokens = 16;
+  float temperature = 0.8f;        // 0 = greedy
+  std::int32_t top_k = 0;          // 0 = disabled
+  float top_p = 1.0f;              // 1 = disabled
+  std::uint32_t max_prompt_length = 64;
+  float parity_tolerance = 1e-3f;  // max |runtime logprob - trainer reference logprob|
 };
 
 struct refit_config {

@@ -225,7 +225,7 @@ TEST(ConfigKeys, UnknownKeyInsideAFault) {
   expect_error(tiny_model
                  + "runtime: {faults: [{command: sleep, kind: stall},"
                    " {command: sleep, kynd: exit}]}\n",
-               "runtime.faults[1].kynd", "unknown key (known keys: command, kind, after)");
+               "runtime.faults[1].kynd", "unknown key (known keys: command, kind, after, incarnation)");
 }
 
 TEST(ConfigKeys, DuplicateKey) {

@@ -1168,7 +1168,7 @@ TEST_F(engine_test, ForgedReceiptWithoutResidentTensorsIsPoisoned) {
                        "commit.receipts[0].resident_tensor_count");
 }
 
-TEST_F(engine_test, SuccessfulFinishCommitsTheVersion) {
+TEST_F(engine_test, SuccessfulFinishAndReleaseCommitTheVersion) {
   attach();
   ASSERT_TRUE(sleep(2)->ok());
   ASSERT_TRUE(wake(wake_tags::only_weights())->ok());
@@ -1182,9 +1182,14 @@ TEST_F(engine_test, SuccessfulFinishCommitsTheVersion) {
   EXPECT_EQ(c->value.receipts[1].device_uuid, fake_device_uuids()[1]);
   EXPECT_EQ(c->value.receipts[1].resident_tensor_count, chunk_count * tensors_per_chunk);
   auto s = status();
+  EXPECT_EQ(s.committed_version, 0u) << "committed only once the IPC imports are released";
+  EXPECT_TRUE(s.needs_publication);
+  EXPECT_FALSE(s.update_open);
+  auto r = release();
+  ASSERT_TRUE(r->ok()) << render(r->error);
+  s = status();
   EXPECT_EQ(s.committed_version, 3u);
   EXPECT_FALSE(s.needs_publication);
-  EXPECT_FALSE(s.update_open);
   EXPECT_EQ(state_of(s), "IDLE");
   expect_not_poisoned();
 }
@@ -1247,7 +1252,7 @@ TEST_F(engine_test, ReleaseFailureIsPoisoned) {
   script->fail["release_ipc"] = make_refit_error(errc::runtime_internal, "release_ipc", "leak");
   EXPECT_REFIT_ERROR(release()->error, errc::runtime_internal, "release_ipc");
   expect_poisoned("release_ipc");
-  EXPECT_EQ(status().committed_version, 1u); // the commit itself stands
+  EXPECT_EQ(status().committed_version, 0u) << "a failure before release changes nothing";
 }
 
 TEST_F(engine_test, ConsecutivePublicationsIncreaseTheVersion) {

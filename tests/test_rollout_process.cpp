@@ -155,11 +155,12 @@ TEST_F(RolloutProcess, LifecycleDescribeSleepWakeShutdownLeavesNothing) {
 
 TEST_F(RolloutProcess, RuntimeErrorsAreTypedAndUnsafeOnesPoison) {
   start();
-  // generate is safe: the typed refusal leaves the connection IDLE.
-  auto gen = call<generate_result>(generate_atom::value, generate_request{{{1, 2, 3}}, {}});
+  // A request the runtime refuses (token id beyond the vocabulary) is safe: the typed error
+  // leaves the connection IDLE.
+  auto gen = call<generate_result>(generate_atom::value, generate_request{{{1, 2, 999}}, {}});
   ASSERT_FALSE(gen);
-  EXPECT_EQ(code_of(gen.error()), errc::runtime_unsupported);
-  EXPECT_EQ(error_where(gen.error()), "generate");
+  EXPECT_EQ(code_of(gen.error()), errc::runtime_invalid_argument) << render(gen.error());
+  EXPECT_EQ(error_where(gen.error()), "generate.prompts[0].token_ids[2]");
   EXPECT_EQ(status().conn(), connection_state::idle);
   // A weight-transfer command failing is unsafe: fail-stop poisons the runtime (this CPU
   // build has no CUDA IPC transport).
