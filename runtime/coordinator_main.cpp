@@ -1,11 +1,16 @@
-// refit-coordinator: the main job. With no arguments it runs the embedded default recipe
-// (configs/tiny-cpu.yaml): start the TP runtime under its supervisor, describe it, then for
-// each iteration run the colocated sleep/wake schedule
-//   sleep(1) [bootstrap, first iteration only] / sleep(2) -> wake(weights) -> wake(kv_cache)
-// reporting the runtime's memory after every step, and shut everything down cleanly.
+// refit-coordinator: the main job, the colocated RL loop. With no arguments it runs the
+// embedded default recipe (configs/tiny-cpu.yaml):
+//   bootstrap: sleep(1) -> wake -> generate with the checkpoint weights (version 0)
+//   K times:   synthetic optimizer step on every trainer rank -> sleep(2) -> wake(weights)
+//              -> publish (version k) -> wake(kv_cache) -> generate
+// After every generation the trainer's own unsharded reference recomputes the sampled
+// tokens' log-probabilities from the trainer's full weights (parity check).
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <iostream>
 #include <string>
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <caf/actor_system.hpp>
@@ -14,91 +19,255 @@
 #include <nlohmann/json.hpp>
 
 #include "runtime/bootstrap.hpp"
+#include "runtime/inference/reference.hpp"
+#include "runtime/inference/tokenizer.hpp"
 #include "runtime/process.hpp"
+#include "runtime/publication/shard.hpp"
 
 namespace {
 
 using json = nlohmann::json;
+using namespace std::chrono_literals;
 
-json to_json(const refit::runtime_description& d) {
-  json workers = json::array();
-  for (const auto& w : d.workers)
-    workers.push_back({{"rank", w.rank},
-                       {"device_index", w.device_index},
-                       {"device_uuid", w.device_uuid},
-                       {"weight_bytes_resident", w.weight_bytes_resident},
-                       {"weight_bytes_offloaded", w.weight_bytes_offloaded},
-                       {"kv_cache_bytes_resident", w.kv_cache_bytes_resident},
-                       {"resident_tensor_count", w.resident_tensor_count}});
-  return {{"runtime_kind", d.runtime_kind},       {"runtime_version", d.runtime_version},
-          {"tp_world_size", d.tp_world_size},     {"sleep_level", d.sleep_level},
-          {"weights_awake", d.weights_awake},     {"kv_cache_awake", d.kv_cache_awake},
-          {"weights_valid", d.weights_valid},     {"model_version", d.model_version},
-          {"pid", d.pid},                         {"workers", workers}};
-}
+struct iteration_report {
+  unsigned iteration = 0;
+  std::uint64_t version = 0;
+  double publish_ms = 0;
+  double publish_gbps = 0;
+  std::uint64_t publish_bytes = 0;
+  std::uint32_t chunks = 0;
+  double generate_ms = 0;
+  std::uint64_t tokens = 0;
+  double tokens_per_s = 0;
+  double mean_logprob = 0;
+  double parity_max_abs = 0;
+  bool parity_ok = false;
+  std::string sample_text;
+};
 
-std::string mib(std::uint64_t bytes) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%.2f MiB", bytes / 1048576.0);
-  return buf;
-}
+class main_job {
+public:
+  main_job(caf::actor_system& sys, refit::config::refit_config cfg)
+    : sys_(sys), self_(sys), cfg_(std::move(cfg)) {}
 
-struct reporter {
-  bool as_json = false;
+  // Returns a process exit code.
+  int run(bool as_json) {
+    rollout_ = refit::spawn_rollout(sys_, cfg_, refit::make_runtime_proxy_factory(cfg_, runtime_exe_));
+    refit::engine_status status;
+    auto ready_within = std::chrono::milliseconds(cfg_.runtime.timeouts_ms.startup) + 10s;
+    if (!refit::wait_until_ready(sys_, rollout_.engine, ready_within, &status))
+      return fail("the runtime did not become ready: " + status.last_error);
+    publication_ = refit::spawn_publication(sys_, cfg_, rollout_.engine);
+    int rc = loop(as_json);
+    refit::shutdown_publication(publication_);
+    refit::shutdown_rollout(sys_, rollout_);
+    return rc;
+  }
 
-  void step(unsigned iteration, const std::string& name, const refit::runtime_description& d,
-            double ms) const {
+  void set_runtime_exe(std::string path) { runtime_exe_ = std::move(path); }
+
+private:
+  template <class T, class Handle, class... Ts>
+  T ask(const Handle& h, const std::string& what, Ts&&... xs) {
+    caf::expected<T> out{caf::error{}};
+    self_->request(h, std::chrono::minutes(10), std::forward<Ts>(xs)...)
+      .receive([&](T& x) { out = std::move(x); }, [&](caf::error& e) { out = std::move(e); });
+    if (!out)
+      throw std::runtime_error(what + " failed: " + refit::render(out.error()));
+    return std::move(*out);
+  }
+
+  int fail(const std::string& what) {
+    std::cerr << "refit-coordinator: " << what << std::endl;
+    return 1;
+  }
+
+  // The job's sampling, as the runtime and the trainer's reference both apply it.
+  refit::inference::sampling_config sampling() const {
+    refit::inference::sampling_config sc;
+    sc.n = cfg_.job.n;
+    sc.max_tokens = cfg_.job.max_tokens;
+    sc.temperature = cfg_.job.temperature;
+    sc.top_k = cfg_.job.top_k;
+    sc.top_p = cfg_.job.top_p;
+    sc.seed = cfg_.job.seed;
+    sc.max_prompt_length = cfg_.job.max_prompt_length;
+    return sc;
+  }
+
+  refit::generate_request batch() const {
+    refit::generate_request req;
+    for (const auto& p : cfg_.job.prompts)
+      req.prompts.push_back(refit::inference::byte_tokenizer::encode(p));
+    auto sc = sampling();
+    req.params = {sc.n, sc.max_tokens, sc.temperature, sc.top_k, sc.top_p, sc.seed,
+                  sc.stop_token_ids, sc.max_prompt_length};
+    return req;
+  }
+
+  // Generates the batch and checks it against the trainer's reference at `step`.
+  void generate_and_check(iteration_report& rep, std::uint64_t step) {
+    auto req = batch();
+    auto t0 = std::chrono::steady_clock::now();
+    auto res = ask<refit::generate_result>(rollout_.engine, "generate", refit::generate_atom::value, req);
+    rep.generate_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    double sum = 0;
+    std::vector<refit::inference::scored_sequence> seqs;
+    for (const auto& s : res.samples) {
+      if (s.model_version != rep.version)
+        throw std::runtime_error("a sample is stamped with version " + std::to_string(s.model_version)
+                                 + ", the committed version is " + std::to_string(rep.version));
+      rep.tokens += s.token_ids.size();
+      for (float lp : s.logprobs)
+        sum += lp;
+      seqs.push_back({s.prompt_token_ids, s.token_ids});
+    }
+    rep.tokens_per_s = rep.generate_ms > 0 ? rep.tokens / (rep.generate_ms / 1000.0) : 0;
+    rep.mean_logprob = rep.tokens ? sum / rep.tokens : 0;
+    if (!res.samples.empty())
+      rep.sample_text = refit::inference::byte_tokenizer::decode(res.samples.front().token_ids);
+    // Parity: the trainer's full weights at `step`, the same sampling processing.
+    auto params = refit::model::expected_key_stream(cfg_.model);
+    refit::model::synthetic_weights w{cfg_.job.seed, cfg_.trainer.lr, cfg_.trainer.init_scale};
+    std::vector<std::vector<std::byte>> full;
+    std::vector<const std::byte*> ptrs;
+    for (const auto& p : params) {
+      full.push_back(refit::publication::full_tensor(p, w, step));
+      ptrs.push_back(full.back().data());
+    }
+    auto ref = refit::inference::reference_logprobs(cfg_.model, params, ptrs, seqs, sampling());
+    double worst = 0;
+    for (std::size_t i = 0; i < res.samples.size(); ++i)
+      for (std::size_t t = 0; t < res.samples[i].logprobs.size(); ++t)
+        worst = std::max(worst, std::fabs(double(res.samples[i].logprobs[t]) - ref[i][t]));
+    rep.parity_max_abs = worst;
+    rep.parity_ok = worst <= cfg_.job.parity_tolerance;
+  }
+
+  void print(const iteration_report& r, bool as_json) const {
     if (as_json) {
-      json line = {{"iteration", iteration}, {"step", name}, {"ms", ms}, {"runtime", to_json(d)}};
+      json line = {{"iteration", r.iteration},       {"version", r.version},
+                   {"publish_ms", r.publish_ms},     {"publish_gbps", r.publish_gbps},
+                   {"publish_bytes", r.publish_bytes}, {"chunks", r.chunks},
+                   {"generate_ms", r.generate_ms},   {"tokens", r.tokens},
+                   {"tokens_per_s", r.tokens_per_s}, {"mean_logprob", r.mean_logprob},
+                   {"parity_max_abs", r.parity_max_abs}, {"parity_ok", r.parity_ok}};
       std::cout << line.dump() << std::endl;
       return;
     }
-    std::uint64_t weights = 0, offloaded = 0, kv = 0;
-    for (const auto& w : d.workers) {
-      weights += w.weight_bytes_resident;
-      offloaded += w.weight_bytes_offloaded;
-      kv += w.kv_cache_bytes_resident;
-    }
-    std::printf("[iter %u] %-16s %7.2f ms  sleep_level=%u weights %s (offloaded %s, valid=%s)  "
-                "kv %s  version=%llu\n",
-                iteration, name.c_str(), ms, d.sleep_level, mib(weights).c_str(),
-                mib(offloaded).c_str(), d.weights_valid ? "yes" : "no", mib(kv).c_str(),
-                static_cast<unsigned long long>(d.model_version));
+    std::string text = r.sample_text;
+    for (auto& c : text)
+      if (static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) >= 0x7f)
+        c = '.';
+    std::printf("iter %2u  version %2llu  publish %8.2f ms %7.3f GB/s (%u chunks)  generate "
+                "%8.1f tok/s  mean logprob %8.4f  parity max|d| %.2e %s  \"%s\"\n",
+                r.iteration, static_cast<unsigned long long>(r.version), r.publish_ms,
+                r.publish_gbps, r.chunks, r.tokens_per_s, r.mean_logprob, r.parity_max_abs,
+                r.parity_ok ? "ok" : "FAIL", text.c_str());
     std::fflush(stdout);
   }
-};
 
-int fail(const std::string& what) {
-  std::cerr << "refit-coordinator: " << what << std::endl;
-  return 1;
-}
+  void progress(unsigned it, const char* step) const {
+    if (!show_progress_)
+      return;
+    std::fprintf(stderr, "\r[%u/%u] %-16s", it, cfg_.job.iterations, step);
+    std::fflush(stderr);
+  }
+
+  int loop(bool as_json) {
+    show_progress_ = !as_json && ::isatty(STDERR_FILENO);
+    bool parity_failed = false;
+    try {
+      // Bootstrap: level 1 keeps the checkpoint weights for the first rollout.
+      iteration_report boot;
+      ask<refit::engine_status>(rollout_.engine, "sleep(1)", refit::sleep_atom::value, std::uint32_t{1});
+      ask<refit::engine_status>(rollout_.engine, "wake", refit::wake_atom::value, refit::wake_tags::all());
+      generate_and_check(boot, 0);
+      print(boot, as_json);
+      parity_failed |= !boot.parity_ok;
+      for (unsigned it = 1; it <= cfg_.job.iterations; ++it) {
+        iteration_report rep;
+        rep.iteration = it;
+        progress(it, "optimizer step");
+        std::uint64_t step = 0;
+        for (const auto& r : publication_.ranks)
+          step = ask<std::uint64_t>(r, "optimizer step", refit::step_atom::value);
+        progress(it, "sleep(2)");
+        ask<refit::engine_status>(rollout_.engine, "sleep(2)", refit::sleep_atom::value, std::uint32_t{2});
+        progress(it, "wake(weights)");
+        ask<refit::engine_status>(rollout_.engine, "wake(weights)", refit::wake_atom::value,
+                                  refit::wake_tags::only_weights());
+        progress(it, "publish");
+        auto pub = ask<refit::publication_result>(publication_.coordinator, "publish",
+                                                  refit::publish_atom::value, std::uint64_t{it});
+        rep.version = pub.model_version;
+        rep.publish_ms = pub.seconds * 1000.0;
+        rep.publish_bytes = pub.bytes;
+        rep.chunks = pub.chunks;
+        rep.publish_gbps = pub.seconds > 0 ? pub.bytes / pub.seconds / 1e9 : 0;
+        progress(it, "wake(kv_cache)");
+        ask<refit::engine_status>(rollout_.engine, "wake(kv_cache)", refit::wake_atom::value,
+                                  refit::wake_tags::only_kv_cache());
+        progress(it, "generate");
+        generate_and_check(rep, step);
+        if (show_progress_)
+          std::fprintf(stderr, "\r%40s\r", "");
+        print(rep, as_json);
+        parity_failed |= !rep.parity_ok;
+      }
+    } catch (const std::exception& e) {
+      if (show_progress_)
+        std::fprintf(stderr, "\n");
+      return fail(e.what());
+    }
+    if (parity_failed)
+      return fail("parity check failed: runtime log-probabilities differ from the trainer's "
+                  "reference by more than job.parity_tolerance = "
+                  + std::to_string(cfg_.job.parity_tolerance));
+    return 0;
+  }
+
+  caf::actor_system& sys_;
+  caf::scoped_actor self_;
+  refit::config::refit_config cfg_;
+  std::string runtime_exe_;
+  refit::rollout_handles rollout_;
+  refit::publication_handles publication_;
+  bool show_progress_ = false;
+};
 
 } // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"refit-coordinator: runs refit's main job on a recipe (default: the embedded "
-               "configs/tiny-cpu.yaml). It starts the refit-runtime TP runtime under its "
-               "supervisor, describes it, runs the colocated sleep/wake schedule for the "
-               "configured iterations and shuts down cleanly."};
+  CLI::App app{"refit-coordinator: runs refit's main job, the colocated RL loop, on a recipe "
+               "(default: the embedded configs/tiny-cpu.yaml). It starts the refit-runtime TP "
+               "runtime under its supervisor and the trainer ranks, then for each iteration: "
+               "synthetic optimizer step -> sleep(2) -> wake(weights) -> publish -> "
+               "wake(kv_cache) -> generate, and checks the generated log-probabilities against "
+               "the trainer's own unsharded reference. Exits 1 on any failure, including a "
+               "parity check outside job.parity_tolerance."};
   std::string config_path;
   bool as_json = false;
   unsigned iterations = 0;
   app.add_option("-c,--config", config_path,
                  "YAML recipe (see configs/); default: the embedded configs/tiny-cpu.yaml")
     ->check(CLI::ExistingFile);
-  app.add_flag("--json", as_json, "print one JSON object per step instead of text lines");
-  app.add_option("-n,--iterations", iterations,
-                 "number of sleep/wake iterations (overrides job.iterations)")
+  app.add_flag("--json", as_json,
+               "print one JSON object per iteration (version, publish_ms, publish_gbps, "
+               "tokens_per_s, mean_logprob, parity_max_abs, ...) instead of text lines");
+  app.add_option("-n,--iterations", iterations, "iterations of the loop (overrides job.iterations)")
     ->check(CLI::Range(1u, 1000000u));
   CLI11_PARSE(app, argc, argv);
 
   refit::config::refit_config cfg;
   try {
     cfg = config_path.empty()
-            ? refit::config::parse_yaml(refit::config::embedded_default_yaml(), "<embedded tiny-cpu.yaml>")
+            ? refit::config::parse_yaml(refit::config::embedded_default_yaml(),
+                                        "<embedded tiny-cpu.yaml>")
             : refit::config::load_file(config_path);
   } catch (const refit::config::config_error& e) {
-    return fail(std::string("bad config: ") + e.what());
+    std::cerr << "refit-coordinator: bad config: " << e.what() << std::endl;
+    return 1;
   }
   if (iterations > 0)
     cfg.job.iterations = iterations;
@@ -106,61 +275,20 @@ int main(int argc, char** argv) {
   try {
     runtime_exe = refit::proc::resolve_executable(cfg.runtime.executable);
   } catch (const std::exception& e) {
-    return fail(std::string("bad config: runtime.executable: ") + e.what());
+    std::cerr << "refit-coordinator: bad config: runtime.executable: " << e.what() << std::endl;
+    return 1;
   }
-
   caf::actor_system_config sys_cfg;
   refit::configure(sys_cfg);
   int rc = 0;
   {
     caf::actor_system sys{sys_cfg};
-    auto handles = refit::spawn_rollout(sys, cfg, refit::make_runtime_proxy_factory(cfg, runtime_exe));
-    reporter out{as_json};
-    caf::scoped_actor self{sys};
-    auto timeout = std::chrono::milliseconds(cfg.runtime.timeouts_ms.startup) + std::chrono::seconds(10);
-    refit::engine_status status;
-    if (!refit::wait_until_ready(sys, handles.engine, timeout, &status)) {
-      rc = fail("the runtime did not become ready: " + status.last_error);
-    } else {
-      auto run = [&](unsigned it, const std::string& name, auto&&... msg) {
-        auto t0 = std::chrono::steady_clock::now();
-        bool ok = false;
-        self->request(handles.engine, std::chrono::minutes(10), msg...)
-          .receive([&](refit::engine_status&) { ok = true; },
-                   [&](caf::error& err) { rc = fail(name + " failed: " + refit::render(err)); });
-        if (!ok)
-          return false;
-        refit::runtime_description d;
-        self->request(handles.engine, std::chrono::minutes(1), refit::describe_atom::value)
-          .receive([&](refit::runtime_description& x) { d = x; },
-                   [&](caf::error& err) { ok = false, rc = fail("describe failed: " + refit::render(err)); });
-        auto ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-        if (ok)
-          out.step(it, name, d, ms);
-        return ok;
-      };
-      refit::runtime_description first;
-      self->request(handles.engine, std::chrono::minutes(1), refit::describe_atom::value)
-        .receive([&](refit::runtime_description& x) { first = x; },
-                 [&](caf::error& err) { rc = fail("describe failed: " + refit::render(err)); });
-      if (rc == 0) {
-        out.step(0, "describe", first, 0.0);
-        for (unsigned it = 1; it <= cfg.job.iterations && rc == 0; ++it) {
-          // Bootstrap sleep keeps checkpoint weights in host memory; steady state discards them.
-          std::uint32_t level = it == 1 ? 1u : 2u;
-          if (!run(it, "sleep(" + std::to_string(level) + ")", refit::sleep_atom::value, level))
-            break;
-          if (!run(it, "wake(weights)", refit::wake_atom::value, refit::wake_tags::only_weights()))
-            break;
-          // (A weight publication goes here: the CPU publication path plugs in at this step.)
-          if (!run(it, "wake(kv_cache)", refit::wake_atom::value, refit::wake_tags::only_kv_cache()))
-            break;
-        }
-      }
-    }
-    refit::shutdown_rollout(sys, handles);
+    main_job job{sys, cfg};
+    job.set_runtime_exe(runtime_exe);
+    rc = job.run(as_json);
   }
   if (rc == 0 && !as_json)
-    std::printf("refit-coordinator: runtime shut down cleanly\n");
+    std::printf("refit-coordinator: %u iterations, parity ok, runtime shut down cleanly\n",
+                cfg.job.iterations);
   return rc;
 }

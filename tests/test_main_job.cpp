@@ -1,0 +1,106 @@
+// The README's main job: refit-coordinator runs the colocated loop end to end (real runtime
+// child, trainer ranks, publications, generation, parity against the trainer's reference).
+#include <array>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <sys/wait.h>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+namespace {
+
+struct run_result {
+  int exit_code = -1;
+  std::string out;
+  std::string err;
+};
+
+run_result run(const std::string& args) {
+  std::string err_file = ::testing::TempDir() + "refit-coordinator.stderr";
+  std::string cmd = std::string(REFIT_COORDINATOR_EXE) + " " + args + " 2>" + err_file;
+  run_result r;
+  FILE* pipe = ::popen(cmd.c_str(), "r");
+  if (!pipe)
+    return r;
+  std::array<char, 4096> buf{};
+  while (std::fgets(buf.data(), buf.size(), pipe))
+    r.out += buf.data();
+  int status = ::pclose(pipe);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  std::ifstream in(err_file);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  r.err = ss.str();
+  return r;
+}
+
+std::string write_config(const std::string& name, const std::string& extra) {
+  std::ifstream in(std::string(REFIT_SOURCE_DIR) + "/configs/tiny-cpu.yaml");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  std::string path = ::testing::TempDir() + name;
+  std::ofstream(path) << ss.str() << extra;
+  return path;
+}
+
+TEST(MainJob, JsonLinesPerIterationWithParity) {
+  auto r = run("--json --iterations 2");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::istringstream lines(r.out);
+  std::string line;
+  std::vector<nlohmann::json> rows;
+  while (std::getline(lines, line))
+    rows.push_back(nlohmann::json::parse(line));
+  ASSERT_EQ(rows.size(), 3u) << "bootstrap generation + 2 iterations";
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    const auto& row = rows[i];
+    for (const char* key : {"version", "publish_ms", "publish_gbps", "tokens_per_s",
+                            "mean_logprob", "parity_max_abs"})
+      ASSERT_TRUE(row.contains(key)) << key << " missing in " << row.dump();
+    EXPECT_EQ(row["version"].get<std::uint64_t>(), i);
+    EXPECT_TRUE(row["parity_ok"].get<bool>());
+    EXPECT_LE(row["parity_max_abs"].get<double>(), 1e-3);
+    EXPECT_GT(row["tokens"].get<std::uint64_t>(), 0u);
+    EXPECT_LT(row["mean_logprob"].get<double>(), 0.0);
+    if (i > 0) {
+      EXPECT_GT(row["publish_ms"].get<double>(), 0.0);
+      EXPECT_GT(row["chunks"].get<std::uint32_t>(), 1u);
+    }
+  }
+}
+
+TEST(MainJob, ParityOutsideTheToleranceExitsNonZero) {
+  // fp32 rounding alone (~1e-7) exceeds a 1e-12 tolerance: the check really compares.
+  auto path = write_config("tight-parity.yaml", "");
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  std::string text = ss.str();
+  auto pos = text.find("parity_tolerance: 0.001");
+  ASSERT_NE(pos, std::string::npos);
+  text.replace(pos, std::string("parity_tolerance: 0.001").size(), "parity_tolerance: 1.0e-12");
+  std::ofstream(path) << text;
+  auto r = run("--json --iterations 1 --config " + path);
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("parity check failed"), std::string::npos) << r.err;
+}
+
+TEST(MainJob, BadConfigNamesTheKey) {
+  auto path = write_config("bad-key.yaml", "\nextra_section: {a: 1}\n");
+  auto r = run("--config " + path);
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("extra_section: unknown key"), std::string::npos) << r.err;
+  EXPECT_TRUE(r.out.empty());
+}
+
+TEST(MainJob, HelpExplainsTheOptions) {
+  auto r = run("--help");
+  EXPECT_EQ(r.exit_code, 0);
+  for (const char* opt : {"--config", "--iterations", "--json"})
+    EXPECT_NE(r.out.find(opt), std::string::npos) << opt;
+}
+
+} // namespace
