@@ -1,0 +1,610 @@
+// refit-bench: measures weight publication throughput against a memcpy bound.
+//
+//   refit-bench publish --config configs/bench-cpu.yaml [--iterations N] [--verify] [--json]
+//
+// `publish` starts the rollout subtree (RolloutSupervisor -> vLLMRuntimeProxy -> refit-runtime)
+// and the trainer side (TrainerRanks, ConsensusGate, SyncCoordinator) in this process from the
+// recipe, exactly as refit-coordinator and the end-to-end tests do. Then, for versions 1..N,
+// it runs the colocated schedule
+//
+//   [optimizer step on every rank, from version 2 on] -> sleep(2) -> wake(weights)
+//     -> publish(v) -> wake(kv_cache)
+//
+// with the byte-exact verifier OFF (it would compete with the transfer for the cores). Only
+// the publication itself is timed, and by the coordinator: publication_result.seconds is
+// "first chunk requested -> version committed". The bound is a plain single-threaded memcpy
+// of the same number of bytes (publication_result.bytes) between two pre-faulted buffers,
+// sampled in the same run right after each timed publication (median of all samples).
+// With --verify one more publication runs through a SyncCoordinator whose verifier is on;
+// `verified` is true only if it committed with every resident tensor's SHA-256 matching the
+// trainer's weights.
+//
+// Memory: before each timed publication the bench resets the peak-RSS watermark (VmHWM, via
+// /proc/<pid>/clear_refs) of this process (trainer ranks: packed buffers) and of the runtime
+// child (its read-only mappings of those buffers), and reports the high-water mark minus the
+// RSS at the reset. Both processes map the same memfd pages, so the sum counts those twice.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <numeric>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <caf/actor_system.hpp>
+#include <caf/actor_system_config.hpp>
+#include <caf/scoped_actor.hpp>
+#include <caf/send.hpp>
+#include <caf/stateful_actor.hpp>
+#include <caf/typed_event_based_actor.hpp>
+#include <nlohmann/json.hpp>
+
+#include "actors/sync_coordinator.hpp"
+#include "runtime/bootstrap.hpp"
+#include "runtime/process.hpp"
+
+namespace {
+
+using json = nlohmann::ordered_json;
+using namespace std::chrono_literals;
+
+constexpr const char* program = "refit-bench";
+
+// A failure that ends the run: `what` is the one line printed.
+struct bench_error : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// ------------------------------------------------------------------------ /proc memory
+
+struct proc_memory {
+  bool ok = false;
+  std::uint64_t rss = 0;       // VmRSS
+  std::uint64_t hwm = 0;       // VmHWM (peak RSS since start or the last clear_refs 5)
+  std::uint64_t rss_anon = 0;  // RssAnon
+  std::uint64_t rss_shmem = 0; // RssShmem (memfd pages mapped by the process)
+};
+
+proc_memory read_memory(pid_t pid) {
+  proc_memory m;
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  auto field = [&](const char* key, std::uint64_t& out) {
+    const std::size_t n = std::strlen(key);
+    if (line.compare(0, n, key) != 0)
+      return false;
+    std::istringstream fields(line.substr(n));
+    std::uint64_t kb = 0;
+    if (fields >> kb)
+      out = kb * 1024;
+    return true;
+  };
+  while (std::getline(in, line)) {
+    if (field("VmRSS:", m.rss))
+      m.ok = true;
+    field("VmHWM:", m.hwm);
+    field("RssAnon:", m.rss_anon);
+    field("RssShmem:", m.rss_shmem);
+  }
+  return m;
+}
+
+// Resets the process's VmHWM to its current RSS; false if the kernel refuses.
+bool reset_peak_rss(pid_t pid) {
+  std::ofstream out("/proc/" + std::to_string(pid) + "/clear_refs");
+  if (!out)
+    return false;
+  out << "5";
+  out.flush();
+  return static_cast<bool>(out);
+}
+
+// Peak RSS growth of one process across a window: reset the watermark, note the RSS, and at
+// the end read the watermark.
+struct peak_probe {
+  pid_t pid = 0;
+  bool armed = false;
+  std::uint64_t base = 0;
+
+  void arm(pid_t p) {
+    pid = p;
+    armed = p > 0 && reset_peak_rss(p);
+    if (armed) {
+      auto m = read_memory(p);
+      armed = m.ok;
+      base = m.rss;
+    }
+  }
+  // Bytes above the RSS at arm(), or nullopt when it could not be measured.
+  std::optional<std::uint64_t> peak_extra() const {
+    if (!armed)
+      return std::nullopt;
+    auto m = read_memory(pid);
+    if (!m.ok)
+      return std::nullopt;
+    return m.hwm > base ? m.hwm - base : 0;
+  }
+};
+
+// ------------------------------------------------------------------------ memcpy bound
+
+struct mapping {
+  std::byte* data = nullptr;
+  std::size_t bytes = 0;
+  explicit mapping(std::size_t n) : bytes(n) {
+    void* p = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+      throw bench_error("memcpy bound: cannot allocate " + std::to_string(n) + " bytes: "
+                        + std::strerror(errno));
+    data = static_cast<std::byte*>(p);
+  }
+  ~mapping() { ::munmap(data, bytes); }
+  mapping(const mapping&) = delete;
+  mapping& operator=(const mapping&) = delete;
+};
+
+// The bound: a plain single-threaded std::memcpy of `bytes` between two buffers that were
+// written (faulted in) and copied once before any timing. Sampled right after every timed
+// publication, so that the bound and the publications see the same machine (other tenants'
+// memory traffic varies over time on shared hosts).
+class memcpy_bound {
+public:
+  explicit memcpy_bound(std::uint64_t bytes) : src_(bytes), dst_(bytes) {
+    for (std::uint64_t i = 0; i < bytes; ++i)
+      src_.data[i] = static_cast<std::byte>((i * 131) >> 7);
+    std::memset(dst_.data, 0, bytes);
+    std::memcpy(dst_.data, src_.data, bytes); // warm-up
+  }
+
+  void sample(unsigned reps) {
+    const std::size_t bytes = src_.bytes;
+    for (unsigned r = 0; r < reps; ++r) {
+      auto t0 = std::chrono::steady_clock::now();
+      std::memcpy(dst_.data, src_.data, bytes);
+      asm volatile("" : : "r"(dst_.data) : "memory"); // the copy is observable
+      auto t1 = std::chrono::steady_clock::now();
+      seconds_.push_back(std::chrono::duration<double>(t1 - t0).count());
+    }
+    if (std::memcmp(dst_.data + bytes / 2, src_.data + bytes / 2, bytes - bytes / 2) != 0)
+      throw bench_error("memcpy bound: the copy differs from its source");
+  }
+
+  const std::vector<double>& seconds() const { return seconds_; }
+
+private:
+  mapping src_, dst_;
+  std::vector<double> seconds_;
+};
+
+double median(std::vector<double> xs) {
+  std::sort(xs.begin(), xs.end());
+  const std::size_t n = xs.size();
+  return n % 2 ? xs[n / 2] : (xs[n / 2 - 1] + xs[n / 2]) / 2;
+}
+
+// ------------------------------------------------------------------------ the bench
+
+struct options {
+  std::string config_path;
+  unsigned iterations = 5;
+  unsigned bound_reps = 3;
+  std::string scheduler = "sharing";
+  bool verify = false;
+  bool as_json = false;
+};
+
+struct iteration_result {
+  refit::publication_result res;
+  double wall_seconds = 0; // publish request -> answer (includes prepare, release, final)
+  std::optional<std::uint64_t> trainer_extra;
+  std::optional<std::uint64_t> runtime_extra;
+};
+
+class bench {
+public:
+  bench(const options& o, refit::config::refit_config cfg, std::string runtime_exe)
+    : opts_(o), cfg_(std::move(cfg)), runtime_exe_(std::move(runtime_exe)) {}
+
+  json run();
+
+private:
+  template <class T, class Handle, class... Ts>
+  T ask(const std::string& what, const Handle& h, caf::timespan timeout, Ts&&... xs) {
+    caf::scoped_actor self{*sys_};
+    std::optional<T> out;
+    std::string error;
+    self->request(h, timeout, std::forward<Ts>(xs)...)
+      .receive([&](T& x) { out = std::move(x); },
+               [&](caf::error& e) { error = refit::render(e); });
+    if (!out)
+      throw bench_error(what + " failed: " + error);
+    return std::move(*out);
+  }
+
+  template <class... Ts>
+  refit::engine_status engine_cmd(const std::string& what, Ts&&... xs) {
+    return ask<refit::engine_status>(what, rollout_.engine, caf::timespan{10min},
+                                     std::forward<Ts>(xs)...);
+  }
+
+  pid_t runtime_pid() {
+    auto d = ask<refit::runtime_description>("describe", rollout_.engine, caf::timespan{1min},
+                                             refit::describe_atom::value);
+    return static_cast<pid_t>(d.pid);
+  }
+
+  void step_all(std::uint64_t version) {
+    for (std::size_t r = 0; r < pub_.ranks.size(); ++r)
+      ask<std::uint64_t>("optimizer step before version " + std::to_string(version) + " (rank "
+                           + std::to_string(r) + ")",
+                         pub_.ranks[r], caf::timespan{10min}, refit::step_atom::value);
+  }
+
+  // The colocated schedule around one publication through `coordinator`.
+  iteration_result publish(const refit::sync_coordinator_actor& coordinator,
+                           std::uint64_t version) {
+    const std::string v = "version " + std::to_string(version);
+    engine_cmd("sleep(2) before " + v, refit::sleep_atom::value, std::uint32_t{2});
+    engine_cmd("wake(weights) before " + v, refit::wake_atom::value,
+               refit::wake_tags::only_weights());
+    iteration_result it;
+    peak_probe trainer, runtime;
+    trainer.arm(::getpid());
+    runtime.arm(runtime_pid());
+    auto t0 = std::chrono::steady_clock::now();
+    it.res = ask<refit::publication_result>("publication of " + v, coordinator,
+                                            caf::timespan{60min}, refit::publish_atom::value,
+                                            version);
+    it.wall_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    it.trainer_extra = trainer.peak_extra();
+    it.runtime_extra = runtime.peak_extra();
+    engine_cmd("wake(kv_cache) after " + v, refit::wake_atom::value,
+               refit::wake_tags::only_kv_cache());
+    return it;
+  }
+
+  void start();
+  void stop();
+
+  options opts_;
+  refit::config::refit_config cfg_;
+  std::string runtime_exe_;
+  std::unique_ptr<caf::actor_system_config> sys_cfg_;
+  std::unique_ptr<caf::actor_system> sys_;
+  refit::rollout_handles rollout_;
+  refit::publication_handles pub_;
+  refit::sync_coordinator_actor verifier_;
+  bool started_ = false;
+};
+
+void bench::start() {
+  sys_cfg_ = std::make_unique<caf::actor_system_config>();
+  refit::configure(*sys_cfg_);
+  // CAF's default work-stealing workers poll for work (100 aggressive polls, then 500 polls
+  // 50 us apart) after every message burst; a publication sends bursts every few ms, so on a
+  // 2-core machine the idle workers keep waking up on the cores that are copying. sharing
+  // workers block on a condition variable instead.
+  sys_cfg_->set("scheduler.policy",
+                opts_.scheduler == "sharing" ? caf::atom("sharing") : caf::atom("stealing"));
+  sys_ = std::make_unique<caf::actor_system>(*sys_cfg_);
+  rollout_ = refit::spawn_rollout(*sys_, cfg_, refit::make_runtime_proxy_factory(cfg_, runtime_exe_));
+  started_ = true;
+  refit::engine_status st;
+  auto timeout = std::chrono::milliseconds(cfg_.runtime.timeouts_ms.startup) + 10s;
+  if (!refit::wait_until_ready(*sys_, rollout_.engine, timeout, &st))
+    throw bench_error("the runtime did not become ready within "
+                      + std::to_string(timeout.count() / 1000) + " s: "
+                      + (st.last_error.empty() ? std::string("no error reported") : st.last_error));
+  pub_ = refit::spawn_publication(*sys_, cfg_, rollout_.engine);
+}
+
+void bench::stop() {
+  if (!started_)
+    return;
+  if (verifier_)
+    caf::anon_send_exit(verifier_, caf::exit_reason::user_shutdown);
+  if (pub_.coordinator)
+    refit::shutdown_publication(pub_);
+  refit::shutdown_rollout(*sys_, rollout_);
+  verifier_ = nullptr;
+  pub_ = {};
+  rollout_ = {};
+  sys_.reset();
+  started_ = false;
+}
+
+json bench::run() {
+  // Timed publications never run the verifier, whatever the recipe says.
+  const bool recipe_verify = cfg_.publication.verify;
+  cfg_.publication.verify = false;
+  std::vector<iteration_result> runs;
+  std::optional<iteration_result> verify_run;
+  std::string verify_error;
+  std::unique_ptr<memcpy_bound> bound;
+  try {
+    start();
+    for (std::uint64_t v = 1; v <= opts_.iterations; ++v) {
+      if (v > 1)
+        step_all(v);
+      runs.push_back(publish(pub_.coordinator, v));
+      if (!bound)
+        bound = std::make_unique<memcpy_bound>(runs.front().res.bytes);
+      bound->sample(opts_.bound_reps);
+      if (!opts_.as_json) {
+        const auto& r = runs.back().res;
+        std::fprintf(stderr, "%s: version %llu: %.3f s (%.2f GB/s)\n", program,
+                     static_cast<unsigned long long>(v), r.seconds,
+                     r.seconds > 0 ? r.bytes / r.seconds / 1e9 : 0.0);
+      }
+    }
+    if (opts_.verify) {
+      // Same ranks, gate and runtime; a coordinator whose byte-exact verifier is on.
+      const std::uint64_t v = opts_.iterations + 1;
+      step_all(v);
+      refit::sync_coordinator_options so;
+      so.model = cfg_.model;
+      so.publication = cfg_.publication;
+      so.publication.verify = true;
+      so.timeouts_ms = cfg_.runtime.timeouts_ms;
+      so.kill_grace_ms = cfg_.runtime.kill_grace_ms;
+      so.weights = {cfg_.job.seed, cfg_.trainer.lr, cfg_.trainer.init_scale};
+      verifier_ = sys_->spawn(refit::sync_coordinator, so, rollout_.engine, pub_.gate, pub_.ranks);
+      try {
+        verify_run = publish(verifier_, v);
+      } catch (const bench_error& e) {
+        verify_error = e.what();
+      }
+    }
+  } catch (...) {
+    stop();
+    throw;
+  }
+  stop();
+
+  const auto& first = runs.front().res;
+  std::vector<double> seconds_all;
+  for (const auto& r : runs)
+    seconds_all.push_back(r.res.seconds);
+  const double seconds = median(seconds_all);
+  const std::vector<double> bound_all = bound->seconds();
+  bound.reset();
+  const double bound_seconds = median(bound_all);
+  const double gbps = first.bytes / seconds / 1e9;
+  const double bound_gbps = first.bytes / bound_seconds / 1e9;
+
+  // Peak extra memory across the timed publications (the largest one).
+  std::optional<std::uint64_t> trainer_extra, runtime_extra;
+  for (const auto& r : runs) {
+    if (r.trainer_extra)
+      trainer_extra = std::max(trainer_extra.value_or(0), *r.trainer_extra);
+    if (r.runtime_extra)
+      runtime_extra = std::max(runtime_extra.value_or(0), *r.runtime_extra);
+  }
+  const std::uint64_t planned_buffers
+    = cfg_.publication.buffer_bytes * cfg_.publication.buffer_count * first.trainer_ranks;
+
+  json out;
+  out["benchmark"] = "publish";
+  out["config"] = opts_.config_path;
+  out["model_type"] = cfg_.model.model_type;
+  out["tensors"] = first.tensors;
+  out["bytes"] = first.bytes;
+  out["chunks"] = first.chunks;
+  out["trainer_ranks"] = first.trainer_ranks;
+  out["tp"] = first.tp;
+  out["transport"] = cfg_.publication.transport;
+  out["buffer_bytes"] = cfg_.publication.buffer_bytes;
+  out["buffer_count"] = cfg_.publication.buffer_count;
+  out["iterations"] = opts_.iterations;
+  out["caf_scheduler"] = opts_.scheduler;
+  out["seconds"] = seconds;
+  out["seconds_all"] = seconds_all;
+  out["timed_window"] = "publication_result.seconds: first chunk requested -> version committed "
+                        "(median of the iterations), verifier off";
+  out["gbps"] = gbps;
+  out["bound_gbps"] = bound_gbps;
+  out["ratio"] = gbps / bound_gbps;
+  out["bound_method"] = "median of " + std::to_string(bound_all.size())
+                        + " plain single-threaded std::memcpy calls of `bytes` bytes between "
+                          "two pre-faulted, warmed buffers (one untimed warm-up copy), "
+                        + std::to_string(opts_.bound_reps)
+                        + " right after each timed publication, in this process";
+  out["bound_seconds"] = bound_seconds;
+  out["bound_seconds_all"] = bound_all;
+  out["bound_best_gbps"]
+    = first.bytes / *std::min_element(bound_all.begin(), bound_all.end()) / 1e9;
+  std::vector<double> wall_all;
+  for (const auto& r : runs)
+    wall_all.push_back(r.wall_seconds);
+  out["publish_wall_seconds_all"] = wall_all;
+  auto opt = [](const std::optional<std::uint64_t>& x) { return x ? json(*x) : json(nullptr); };
+  out["peak_extra_bytes"] = trainer_extra || runtime_extra
+                              ? json(trainer_extra.value_or(0) + runtime_extra.value_or(0))
+                              : json(nullptr);
+  out["peak_extra"] = {
+    {"counts", "max over the timed publications of (VmHWM - VmRSS) across publish(v), with "
+               "VmHWM reset just before it: trainer_process_bytes (this process: trainer "
+               "ranks' memfd packed buffers + transient allocations) + runtime_process_bytes "
+               "(refit-runtime: its read-only mappings of those buffers as they are touched "
+               "+ transient allocations). The memfd pages are shared, so mapped buffer "
+               "pages are counted once in each process."},
+    {"trainer_process_bytes", opt(trainer_extra)},
+    {"runtime_process_bytes", opt(runtime_extra)},
+    {"planned_packed_buffer_bytes", planned_buffers},
+    {"peak_buffer_bytes_per_rank", first.peak_buffer_bytes},
+  };
+  if (opts_.verify) {
+    const bool committed = verify_run.has_value();
+    bool checksums = committed && !verify_run->res.receipts.empty();
+    if (committed)
+      for (const auto& r : verify_run->res.receipts)
+        checksums = checksums && !r.checksums.empty();
+    out["verified"] = committed && checksums;
+    json v;
+    v["model_version"] = opts_.iterations + 1;
+    if (committed) {
+      v["seconds"] = verify_run->res.seconds;
+      v["wall_seconds"] = verify_run->wall_seconds;
+      std::size_t sums = 0;
+      for (const auto& r : verify_run->res.receipts)
+        sums += r.checksums.size();
+      v["resident_checksums"] = sums;
+    } else {
+      v["error"] = verify_error;
+    }
+    out["verify"] = v;
+  }
+  if (recipe_verify)
+    out["note"] = "publication.verify in the recipe was ignored for the timed publications";
+  return out;
+}
+
+std::string gib(std::uint64_t bytes) {
+  char buf[48];
+  std::snprintf(buf, sizeof(buf), "%.3f GiB", bytes / 1073741824.0);
+  return buf;
+}
+
+std::string mib(const json& bytes) {
+  if (bytes.is_null())
+    return "n/a";
+  char buf[48];
+  std::snprintf(buf, sizeof(buf), "%.1f MiB", bytes.get<std::uint64_t>() / 1048576.0);
+  return buf;
+}
+
+void print_table(const json& r) {
+  std::printf("refit-bench publish  %s\n", r["config"].get<std::string>().c_str());
+  std::printf("  model              %s, %llu tensors, %s (%llu bytes)\n",
+              r["model_type"].get<std::string>().c_str(), r["tensors"].get<unsigned long long>(),
+              gib(r["bytes"].get<std::uint64_t>()).c_str(), r["bytes"].get<unsigned long long>());
+  std::printf("  topology           %u trainer ranks -> TP %u, transport %s\n",
+              r["trainer_ranks"].get<unsigned>(), r["tp"].get<unsigned>(),
+              r["transport"].get<std::string>().c_str());
+  std::printf("  packed buffers     %u x %s per rank, %u chunks\n",
+              r["buffer_count"].get<unsigned>(), mib(r["buffer_bytes"]).c_str(),
+              r["chunks"].get<unsigned>());
+  std::printf("  publications       %u, seconds:", r["iterations"].get<unsigned>());
+  for (double s : r["seconds_all"])
+    std::printf(" %.3f", s);
+  std::printf("\n");
+  std::printf("  median             %.3f s  ->  %.2f GB/s\n", r["seconds"].get<double>(),
+              r["gbps"].get<double>());
+  std::printf("  memcpy bound       %.3f s  ->  %.2f GB/s (%s)\n",
+              r["bound_seconds"].get<double>(), r["bound_gbps"].get<double>(), "median");
+  std::printf("  ratio              %.3f\n", r["ratio"].get<double>());
+  std::printf("  peak extra memory  %s (trainer process %s, runtime process %s; planned "
+              "packed buffers %s)\n",
+              mib(r["peak_extra_bytes"]).c_str(),
+              mib(r["peak_extra"]["trainer_process_bytes"]).c_str(),
+              mib(r["peak_extra"]["runtime_process_bytes"]).c_str(),
+              mib(r["peak_extra"]["planned_packed_buffer_bytes"]).c_str());
+  if (r.contains("verified")) {
+    std::printf("  verified           %s", r["verified"].get<bool>() ? "true" : "false");
+    const auto& v = r["verify"];
+    if (v.contains("seconds"))
+      std::printf(" (version %llu, %.3f s with the verifier, %zu resident checksums)",
+                  v["model_version"].get<unsigned long long>(), v["seconds"].get<double>(),
+                  v["resident_checksums"].get<std::size_t>());
+    else
+      std::printf(" (%s)", v["error"].get<std::string>().c_str());
+    std::printf("\n");
+  }
+}
+
+int fail(const std::string& what) {
+  std::cerr << program << ": " << what << std::endl;
+  return 1;
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"refit-bench: benchmarks refit's weight publication path on a recipe "
+               "(configs/*.yaml)."};
+  app.require_subcommand(1, 1);
+  options o;
+  auto* publish = app.add_subcommand(
+    "publish",
+    "Start the rollout runtime and the trainer side in this process, run --iterations timed "
+    "publications (versions 1..N, a synthetic optimizer step on every rank between them, each "
+    "inside the colocated sleep(2) -> wake(weights) -> publish -> wake(kv_cache) schedule, "
+    "verifier off), and compare the median publication time (first chunk requested -> "
+    "version committed) with a plain single-threaded memcpy of the same bytes. Prints tensors, "
+    "bytes, chunks, trainer_ranks, tp, seconds, gbps, bound_gbps, ratio = gbps / bound_gbps, "
+    "peak_extra_bytes and, with --verify, verified.");
+  publish->add_option("-c,--config", o.config_path,
+                      "YAML recipe to benchmark (required), e.g. configs/bench-cpu.yaml")
+    ->required();
+  publish->add_option("-n,--iterations", o.iterations,
+                      "number of timed publications (default 5); `seconds` is their median")
+    ->check(CLI::Range(1u, 1000u));
+  publish->add_flag("--verify", o.verify,
+                    "after the timed publications, run one more publication with "
+                    "publication.verify = true (byte-exact SHA-256 of every resident tensor) "
+                    "and report verified: true only if it committed");
+  publish->add_flag("--json", o.as_json, "print one JSON object instead of a table");
+  publish->add_option("--bound-reps", o.bound_reps,
+                      "memcpy repetitions timed for the bound right after each publication "
+                      "(default 3); bound_gbps uses the median of all of them")
+    ->check(CLI::Range(1u, 100u));
+  publish->add_option("--scheduler", o.scheduler,
+                      "CAF scheduler policy of this process (trainer ranks, coordinator, "
+                      "engine): sharing (default: idle workers block) or stealing (CAF's "
+                      "default: idle workers poll, competing with the copies on few cores)")
+    ->check(CLI::IsMember({"sharing", "stealing"}));
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::cerr << program << ": bad arguments: " << e.what() << " (see --help)" << std::endl;
+    return 2;
+  }
+
+  refit::config::refit_config cfg;
+  try {
+    cfg = refit::config::load_file(o.config_path);
+  } catch (const refit::config::config_error& e) {
+    return fail(std::string("bad config: ") + e.what());
+  } catch (const std::exception& e) {
+    return fail("bad config '" + o.config_path + "': " + e.what());
+  }
+  std::string runtime_exe;
+  try {
+    runtime_exe = refit::proc::resolve_executable(cfg.runtime.executable);
+  } catch (const std::exception& e) {
+    return fail(std::string("bad config: runtime.executable: ") + e.what());
+  }
+
+  json result;
+  try {
+    bench b{o, cfg, runtime_exe};
+    result = b.run();
+  } catch (const bench_error& e) {
+    return fail(e.what());
+  } catch (const std::exception& e) {
+    return fail(std::string("unexpected failure: ") + e.what());
+  }
+  if (o.as_json)
+    std::cout << result.dump(2) << std::endl;
+  else
+    print_table(result);
+  if (o.verify && !result["verified"].get<bool>()) {
+    std::cerr << program << ": the verified publication failed: "
+              << result["verify"].value("error", std::string("no resident checksums"))
+              << std::endl;
+    return 1;
+  }
+  return 0;
+}
