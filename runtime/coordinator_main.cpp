@@ -36,6 +36,8 @@ struct iteration_report {
   double publish_gbps = 0;
   std::uint64_t publish_bytes = 0;
   std::uint32_t chunks = 0;
+  std::uint32_t attempts = 0;      // > 1: the publication was republished after a failure
+  std::string recovered;           // why the earlier attempts failed
   double generate_ms = 0;
   std::uint64_t tokens = 0;
   double tokens_per_s = 0;
@@ -149,6 +151,7 @@ private:
       json line = {{"iteration", r.iteration},       {"version", r.version},
                    {"publish_ms", r.publish_ms},     {"publish_gbps", r.publish_gbps},
                    {"publish_bytes", r.publish_bytes}, {"chunks", r.chunks},
+                   {"publish_attempts", r.attempts}, {"recovered_error", r.recovered},
                    {"generate_ms", r.generate_ms},   {"tokens", r.tokens},
                    {"tokens_per_s", r.tokens_per_s}, {"mean_logprob", r.mean_logprob},
                    {"parity_max_abs", r.parity_max_abs}, {"parity_ok", r.parity_ok}};
@@ -164,6 +167,9 @@ private:
                 r.iteration, static_cast<unsigned long long>(r.version), r.publish_ms,
                 r.publish_gbps, r.chunks, r.tokens_per_s, r.mean_logprob, r.parity_max_abs,
                 r.parity_ok ? "ok" : "FAIL", text.c_str());
+    if (r.attempts > 1)
+      std::printf("         republished after %u failed attempt(s): %s\n", r.attempts - 1,
+                  r.recovered.c_str());
     std::fflush(stdout);
   }
 
@@ -204,6 +210,9 @@ private:
         rep.publish_ms = pub.seconds * 1000.0;
         rep.publish_bytes = pub.bytes;
         rep.chunks = pub.chunks;
+        rep.attempts = pub.attempts;
+        for (const auto& e : pub.recovered_errors)
+          rep.recovered += (rep.recovered.empty() ? "" : "; ") + e;
         rep.publish_gbps = pub.seconds > 0 ? pub.bytes / pub.seconds / 1e9 : 0;
         progress(it, "wake(kv_cache)");
         ask<refit::engine_status>(rollout_.engine, "wake(kv_cache)", refit::wake_atom::value,
@@ -236,6 +245,46 @@ private:
   bool show_progress_ = false;
 };
 
+// Parses one --fault spec into the config (validated with the rest of the config).
+void add_fault(refit::config::refit_config& cfg, const std::string& spec) {
+  std::vector<std::string> parts;
+  std::size_t start = 0;
+  for (std::size_t colon; (colon = spec.find(':', start)) != std::string::npos; start = colon + 1)
+    parts.push_back(spec.substr(start, colon - start));
+  parts.push_back(spec.substr(start));
+  auto number = [&](const std::string& text, const char* what) -> std::uint32_t {
+    if (text.empty() || text.find_first_not_of("0123456789") != std::string::npos)
+      throw std::invalid_argument("'" + spec + "': " + what + " '" + text + "' is not a number");
+    return static_cast<std::uint32_t>(std::stoul(text));
+  };
+  if (parts.size() >= 3 && parts.size() <= 5 && parts[0] == "runtime") {
+    refit::config::runtime_fault f;
+    f.command = parts[1];
+    f.kind = parts[2];
+    if (parts.size() > 3)
+      f.after = number(parts[3], "AFTER");
+    if (parts.size() > 4)
+      f.incarnation = number(parts[4], "INCARNATION");
+    cfg.runtime.faults.push_back(f);
+    return;
+  }
+  if (parts.size() >= 3 && parts.size() <= 4 && parts[0] == "trainer") {
+    refit::config::trainer_fault f;
+    f.rank = number(parts[1], "RANK");
+    f.kind = parts[2];
+    if (parts.size() > 3) {
+      if (f.kind == "drop_tensor" || f.kind == "wrong_shape")
+        f.tensor = parts[3];
+      else
+        f.chunk = number(parts[3], "CHUNK");
+    }
+    cfg.trainer.faults.push_back(f);
+    return;
+  }
+  throw std::invalid_argument("'" + spec + "' is neither runtime:COMMAND:KIND[:AFTER[:INCARNATION]] "
+                              "nor trainer:RANK:KIND[:TENSOR|CHUNK]");
+}
+
 } // namespace
 
 int main(int argc, char** argv) {
@@ -257,6 +306,13 @@ int main(int argc, char** argv) {
                "tokens_per_s, mean_logprob, parity_max_abs, ...) instead of text lines");
   app.add_option("-n,--iterations", iterations, "iterations of the loop (overrides job.iterations)")
     ->check(CLI::Range(1u, 1000000u));
+  std::vector<std::string> faults;
+  app.add_option("--fault", faults,
+                 "test-only fault injection (repeatable): runtime:COMMAND:KIND[:AFTER[:INCARNATION]] "
+                 "(e.g. runtime:update_weights:sigkill:2) or trainer:RANK:KIND[:TENSOR|CHUNK] "
+                 "(e.g. trainer:1:never_report:0); see configs/tiny-cpu.yaml and docs/operations.md "
+                 "for the kinds. With publication.republish_attempts > 0 the coordinator "
+                 "republishes on the restarted runtime.");
   CLI11_PARSE(app, argc, argv);
 
   refit::config::refit_config cfg;
@@ -271,6 +327,14 @@ int main(int argc, char** argv) {
   }
   if (iterations > 0)
     cfg.job.iterations = iterations;
+  try {
+    for (const auto& f : faults)
+      add_fault(cfg, f);
+    refit::config::validate(cfg);
+  } catch (const std::exception& e) {
+    std::cerr << "refit-coordinator: bad --fault: " << e.what() << std::endl;
+    return 1;
+  }
   std::string runtime_exe;
   try {
     runtime_exe = refit::proc::resolve_executable(cfg.runtime.executable);

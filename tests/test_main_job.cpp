@@ -88,6 +88,26 @@ TEST(MainJob, ParityOutsideTheToleranceExitsNonZero) {
   EXPECT_NE(r.err.find("parity check failed"), std::string::npos) << r.err;
 }
 
+TEST(MainJob, FaultIsRecoveredByRepublishOnTheRestartedRuntime) {
+  auto r = run("--json --iterations 1 --fault runtime:update_weights:sigkill:1");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::istringstream lines(r.out);
+  std::string line, last;
+  while (std::getline(lines, line))
+    last = line;
+  auto row = nlohmann::json::parse(last);
+  EXPECT_EQ(row["version"].get<std::uint64_t>(), 1u);
+  EXPECT_EQ(row["publish_attempts"].get<std::uint32_t>(), 2u);
+  EXPECT_NE(row["recovered_error"].get<std::string>().find("runtime_exited"), std::string::npos);
+  EXPECT_TRUE(row["parity_ok"].get<bool>()) << "the fresh runtime generates with the new weights";
+}
+
+TEST(MainJob, BadFaultSpecNamesTheProblem) {
+  auto r = run("--fault runtime:update_weights:melt");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("runtime.faults[0].kind: 'melt' is not one of"), std::string::npos) << r.err;
+}
+
 TEST(MainJob, BadConfigNamesTheKey) {
   auto path = write_config("bad-key.yaml", "\nextra_section: {a: 1}\n");
   auto r = run("--config " + path);
