@@ -21,7 +21,7 @@ coordinator_status sync_coordinator_state::status() const {
   coordinator_status s;
   s.state = static_cast<std::uint8_t>(state);
   s.committed_version = committed_version;
-  s.publication_id = ctx ? ctx->id : std::string{};
+  s.publication_id = last_publication_id;
   s.publications = publications;
   s.failures = failures;
   s.last_error = last_error;
@@ -125,8 +125,19 @@ void poison(self_ptr self, caf::error err) {
         }
       },
       [self, retry](caf::error&) {
-        if (retry && self->state.retry)
-          self->send(self, restart_atom::value);
+        // The engine could not poison (its runtime is already gone): the failed incarnation is
+        // the one it reports now, before the supervisor attaches the next.
+        auto& st = self->state;
+        if (!retry || !st.retry)
+          return;
+        self->request(st.engine, engine_timeout(st, st.opts.timeouts_ms.describe), status_atom::value)
+          .then(
+            [self](engine_status& s) {
+              if (auto& r = self->state.retry; r && s.conn() != connection_state::idle)
+                r->failed_incarnation = s.incarnation;
+              self->send(self, restart_atom::value);
+            },
+            [self](caf::error&) { self->send(self, restart_atom::value); });
       });
 }
 
@@ -473,6 +484,7 @@ void start_attempt(self_ptr self, std::uint64_t version,
   st.transitions.clear();
   st.transitions.emplace_back(to_string(publication_state::idle));
   st.ctx = ctx;
+  st.last_publication_id = ctx->id;
   begin(self, ctx);
 }
 

@@ -5,8 +5,9 @@
 // Per publication: preflight (topology, buffer fit, memory budget) before any
 // materialization; a metadata-first chunk plan; chunk by chunk materialize -> consensus ->
 // update_weights -> consensus; every rank's actual manifest == the expected one; finish
-// (receipts validated by runtime and engine), the optional byte-exact verifier, release, and
-// the final result checked by every rank.
+// (receipts validated by runtime and engine), the optional byte-exact verifier, the final
+// result checked by every rank, then release: only then is the version committed. After a
+// failure it can republish the same version on the supervisor's fresh runtime.
 #pragma once
 
 #include <chrono>
@@ -86,6 +87,7 @@ struct sync_coordinator_state {
   std::uint64_t publications = 0;
   std::uint64_t failures = 0;
   std::string last_error;
+  std::string last_publication_id;       // of the publication in flight, or the last one
   std::vector<std::string> transitions;
   std::shared_ptr<publication_ctx> ctx;
   std::optional<pending_republish> retry;

@@ -567,6 +567,14 @@ void validate_config(const refit_config& cfg, const locator& locate) {
     const std::string key = index_path("runtime.faults", i);
     check_one_of(key + ".command", rt.faults[i].command, fault_commands);
     check_one_of(key + ".kind", rt.faults[i].kind, fault_kinds);
+    for (std::size_t j = 0; j < i; ++j) {
+      const auto& a = rt.faults[j];
+      const auto& b = rt.faults[i];
+      bool same_runtime = a.incarnation == 0 || b.incarnation == 0 || a.incarnation == b.incarnation;
+      if (same_runtime && a.command == b.command && a.after == b.after)
+        fail(key, "targets the same occurrence of '" + b.command + "' as runtime.faults["
+                    + std::to_string(j) + "] (one fault per occurrence)");
+    }
   }
 
   const supervisor_config& sv = cfg.supervisor;

@@ -57,8 +57,10 @@ public:
     rollout_ = refit::spawn_rollout(sys_, cfg_, refit::make_runtime_proxy_factory(cfg_, runtime_exe_));
     refit::engine_status status;
     auto ready_within = std::chrono::milliseconds(cfg_.runtime.timeouts_ms.startup) + 10s;
-    if (!refit::wait_until_ready(sys_, rollout_.engine, ready_within, &status))
+    if (!refit::wait_until_ready(sys_, rollout_.engine, ready_within, &status)) {
+      refit::shutdown_rollout(sys_, rollout_);
       return fail("the runtime did not become ready: " + status.last_error);
+    }
     publication_ = refit::spawn_publication(sys_, cfg_, rollout_.engine);
     int rc = loop(as_json);
     refit::shutdown_publication(publication_);

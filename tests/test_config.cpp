@@ -204,6 +204,12 @@ TEST(ConfigParse, ReadsEveryRuntimeSupervisorAndJobKey) {
 
 // --- unknown and missing keys --------------------------------------------------------------
 
+TEST(ConfigRanges, TwoRuntimeFaultsOnOneOccurrenceAreRejected) {
+  expect_error(tiny_model
+                 + "runtime: {faults: [{command: sleep, kind: stall}, {command: sleep, kind: exit}]}\n",
+               "runtime.faults[1]", "targets the same occurrence of 'sleep' as runtime.faults[0]");
+}
+
 TEST(ConfigKeys, UnknownTopLevelKey) {
   expect_error(tiny_model + "jobs: {iterations: 2}\n", "jobs",
                "unknown key (known keys: model, runtime, supervisor, trainer, publication, job)");

@@ -157,7 +157,7 @@ int main(int argc, char** argv) {
   app.add_option("--seed", args.seed, "seed of the synthetic checkpoint weights")->required();
   app.add_option("--init-scale", args.init_scale,
                  "scale of the synthetic checkpoint weights (the trainer's trainer.init_scale)")
-    ->check(CLI::Range(1e-6, 10.0));
+    ->check(CLI::PositiveNumber & CLI::Range(0.0, 10.0));
   app.add_option("--fault", args.faults, "test-only fault COMMAND:KIND[:AFTER] (repeatable)");
 
   try {
