@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "model_configs.hpp"
 #include "runtime/inference/forward.hpp"
 #include "runtime/inference/generator.hpp"
 #include "runtime/inference/kv_cache.hpp"
@@ -306,19 +307,7 @@ TEST(TpComm, MismatchedCollectivesFailOnEveryRank) {
 // ------------------------------------------------------------------------------- tiny model
 
 model::model_config tiny_config(std::uint32_t vocab = 256, bool tied = false) {
-  model::model_config c;
-  c.num_hidden_layers = 2;
-  c.hidden_size = 64;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 16;
-  c.num_experts = 4;
-  c.num_experts_per_tok = 2;
-  c.moe_intermediate_size = 32;
-  c.vocab_size = vocab;
-  c.tie_word_embeddings = tied;
-  c.torch_dtype = model::dtype::bfloat16;
-  return c;
+  return refit::testing::tiny_model(vocab, tied);
 }
 
 // Full canonical bf16 tensors of a synthetic optimizer step (init scale 0.1, so attention,

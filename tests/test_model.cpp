@@ -1,6 +1,7 @@
 // Tests of the Qwen3-MoE schema: dtypes, validation, key stream, manifest, TP layout and
 // synthetic weights. Layout tests compare every resident element against an independent,
 // straightforward index computation (reference_source below).
+#include "model_configs.hpp"
 #include "runtime/model/qwen3_moe.hpp"
 
 #include <gtest/gtest.h>
@@ -20,34 +21,10 @@ using namespace refit::model;
 namespace {
 
 model_config tiny_config() {
-  model_config c;
-  c.num_hidden_layers = 2;
-  c.hidden_size = 64;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 16;
-  c.num_experts = 4;
-  c.num_experts_per_tok = 2;
-  c.moe_intermediate_size = 32;
-  c.vocab_size = 256;
-  return c;
+  return refit::testing::tiny_model();
 }
 
-model_config qwen3_30b_a3b() {
-  model_config c;
-  c.num_hidden_layers = 48;
-  c.hidden_size = 2048;
-  c.num_attention_heads = 32;
-  c.num_key_value_heads = 4;
-  c.head_dim = 128;
-  c.num_experts = 128;
-  c.num_experts_per_tok = 8;
-  c.moe_intermediate_size = 768;
-  c.vocab_size = 151936;
-  c.tie_word_embeddings = false;
-  c.torch_dtype = dtype::bfloat16;
-  return c;
-}
+using refit::testing::qwen3_30b_a3b;
 
 // Runs `f`, expecting a model_error; returns it (an empty error after a recorded failure).
 template <class F>

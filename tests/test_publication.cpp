@@ -1,6 +1,7 @@
 // Tests of the publication building blocks: metadata-first chunk planning, dim-0 shards and
 // the shard store, the in-process all-gather (including deadlines and abort) and the memfd
 // host buffer transport (including a forked consumer and leak checks via /proc/self).
+#include "model_configs.hpp"
 #include "runtime/publication/chunk_plan.hpp"
 #include "runtime/publication/collective.hpp"
 #include "runtime/publication/host_buffer.hpp"
@@ -39,34 +40,10 @@ using clock_type = std::chrono::steady_clock;
 using namespace std::chrono_literals;
 
 model_config tiny_config() {
-  model_config c;
-  c.num_hidden_layers = 2;
-  c.hidden_size = 64;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 16;
-  c.num_experts = 4;
-  c.num_experts_per_tok = 2;
-  c.moe_intermediate_size = 32;
-  c.vocab_size = 256;
-  c.torch_dtype = dtype::bfloat16;
-  return c;
+  return refit::testing::tiny_model();
 }
 
-model_config qwen3_30b_a3b() {
-  model_config c;
-  c.num_hidden_layers = 48;
-  c.hidden_size = 2048;
-  c.num_attention_heads = 32;
-  c.num_key_value_heads = 4;
-  c.head_dim = 128;
-  c.num_experts = 128;
-  c.num_experts_per_tok = 8;
-  c.moe_intermediate_size = 768;
-  c.vocab_size = 151936;
-  c.torch_dtype = dtype::bfloat16;
-  return c;
-}
+using refit::testing::qwen3_30b_a3b;
 
 const synthetic_weights test_weights{7, 1e-3f, 0.02f};
 
