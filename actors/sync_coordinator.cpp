@@ -205,7 +205,7 @@ void finish(self_ptr self, std::shared_ptr<publication_ctx> ctx) {
                 finish_upd_atom::value, finish_request{ctx->id, ctx->version})
     .then(guarded<commit_result>(self, ctx,
                   [self, ctx](commit_result& res) {
-                    auto& st = self->state;
+                    // The timed window ends here: the runtime committed the version.
                     ctx->seconds = std::chrono::duration<double>(clock_type::now()
                                                                  - ctx->first_chunk)
                                      .count();

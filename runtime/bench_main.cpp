@@ -241,11 +241,22 @@ private:
     return static_cast<pid_t>(d.pid);
   }
 
+  // One synthetic optimizer step on every rank (in parallel; untimed).
   void step_all(std::uint64_t version) {
-    for (std::size_t r = 0; r < pub_.ranks.size(); ++r)
-      ask<std::uint64_t>("optimizer step before version " + std::to_string(version) + " (rank "
-                           + std::to_string(r) + ")",
-                         pub_.ranks[r], caf::timespan{10min}, refit::step_atom::value);
+    caf::scoped_actor self{*sys_};
+    using handle = decltype(self->request(pub_.ranks[0], caf::timespan{10min},
+                                          refit::step_atom::value));
+    std::vector<handle> pending;
+    for (const auto& rank : pub_.ranks)
+      pending.push_back(self->request(rank, caf::timespan{10min}, refit::step_atom::value));
+    for (std::size_t r = 0; r < pending.size(); ++r) {
+      std::string error;
+      pending[r].receive([](std::uint64_t) {},
+                         [&](caf::error& e) { error = refit::render(e); });
+      if (!error.empty())
+        throw bench_error("optimizer step before version " + std::to_string(version)
+                          + " (rank " + std::to_string(r) + ") failed: " + error);
+    }
   }
 
   // The colocated schedule around one publication through `coordinator`.
@@ -426,6 +437,12 @@ json bench::run() {
     wall_all.push_back(r.wall_seconds);
   out["publish_wall_seconds_all"] = wall_all;
   auto opt = [](const std::optional<std::uint64_t>& x) { return x ? json(*x) : json(nullptr); };
+  auto per_iteration = [&](std::optional<std::uint64_t> iteration_result::*field) {
+    json all = json::array();
+    for (const auto& r : runs)
+      all.push_back(opt(r.*field));
+    return all;
+  };
   out["peak_extra_bytes"] = trainer_extra || runtime_extra
                               ? json(trainer_extra.value_or(0) + runtime_extra.value_or(0))
                               : json(nullptr);
@@ -438,6 +455,8 @@ json bench::run() {
                "pages are counted once in each process."},
     {"trainer_process_bytes", opt(trainer_extra)},
     {"runtime_process_bytes", opt(runtime_extra)},
+    {"trainer_process_bytes_all", per_iteration(&iteration_result::trainer_extra)},
+    {"runtime_process_bytes_all", per_iteration(&iteration_result::runtime_extra)},
     {"planned_packed_buffer_bytes", planned_buffers},
     {"peak_buffer_bytes_per_rank", first.peak_buffer_bytes},
   };
