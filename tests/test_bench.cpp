@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 #include <unistd.h>
 
+#include "run_command.hpp"
 #include "runtime/publication/host_buffer.hpp"
 
 namespace {
@@ -25,24 +26,10 @@ std::string bench_exe() {
   return runtime.substr(0, runtime.rfind('/') + 1) + "refit-bench";
 }
 
-struct run_result {
-  int exit_code = -1;
-  std::string out;
-};
+using run_result = refit::testing::command_result;
 
 run_result run(const std::string& args) {
-  run_result r;
-  std::string cmd = bench_exe() + " " + args;
-  FILE* p = ::popen(cmd.c_str(), "r");
-  if (p == nullptr)
-    return r;
-  char buf[4096];
-  std::size_t n;
-  while ((n = std::fread(buf, 1, sizeof(buf), p)) > 0)
-    r.out.append(buf, n);
-  int status = ::pclose(p);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
+  return refit::testing::run_command(bench_exe() + " " + args);
 }
 
 std::string tiny_config() { return std::string(REFIT_SOURCE_DIR) + "/configs/tiny-cpu.yaml"; }

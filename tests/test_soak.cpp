@@ -5,6 +5,7 @@
 #include <string>
 #include <sys/wait.h>
 
+#include "run_command.hpp"
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -12,24 +13,10 @@ namespace {
 
 using json = nlohmann::json;
 
-struct run_result {
-  int exit_code = -1;
-  std::string out;
-};
+using run_result = refit::testing::command_result;
 
 run_result run(const std::string& args) {
-  run_result r;
-  std::string cmd = std::string(REFIT_BENCH_EXE) + " " + args;
-  FILE* p = ::popen(cmd.c_str(), "r");
-  if (p == nullptr)
-    return r;
-  char buf[4096];
-  std::size_t n;
-  while ((n = std::fread(buf, 1, sizeof(buf), p)) > 0)
-    r.out.append(buf, n);
-  int status = ::pclose(p);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
+  return refit::testing::run_command(std::string(REFIT_BENCH_EXE) + " " + args);
 }
 
 TEST(Soak, SixFaultedCyclesCommitWithoutStaleGenerationsOrLeaks) {
