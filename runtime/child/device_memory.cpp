@@ -1,8 +1,6 @@
 #include "runtime/child/device_memory.hpp"
 
 #include <cerrno>
-#include <fstream>
-#include <sstream>
 #include <stdexcept>
 #include <sys/mman.h>
 #include <system_error>
@@ -16,19 +14,10 @@ namespace {
   throw std::system_error(err, std::generic_category(), what);
 }
 
-// MemAvailable from /proc/meminfo, in bytes.
+// MemAvailable from /proc/meminfo, in bytes (the same figure trainer ranks report).
 std::uint64_t mem_available_bytes() {
-  std::ifstream in("/proc/meminfo");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("MemAvailable:", 0) == 0) {
-      std::istringstream fields(line.substr(13));
-      std::uint64_t kb = 0;
-      if (fields >> kb)
-        return kb * 1024;
-      break;
-    }
-  }
+  if (auto bytes = device::host_available_bytes())
+    return bytes;
   throw std::runtime_error("cannot read MemAvailable from /proc/meminfo");
 }
 
