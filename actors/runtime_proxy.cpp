@@ -297,15 +297,11 @@ runtime_proxy_impl::behavior_type runtime_proxy(self_ptr self, runtime_proxy_opt
   st.channel = std::make_unique<proc::runtime_channel>(std::move(so),
                                                        st.opts.runtime.max_frame_bytes, forward);
   // Startup handshake: the first describe must be answered within `startup`; requests that
-  // arrive meanwhile queue behind it.
+  // arrive meanwhile queue behind it, so a validated answer is all it has to produce.
   auto hello = request(pb::COMMAND_DESCRIBE);
   hello.mutable_describe();
   enqueue(
-    self, std::move(hello),
-    [self](const std::string&) {
-      if (self->state.ph == runtime_proxy_state::phase::starting)
-        self->state.ph = runtime_proxy_state::phase::ready;
-    },
+    self, std::move(hello), [](const std::string&) {},
     [self](const caf::error& err) {
       break_with(self, make_refit_error(errc::spawn_failed, "runtime",
                                         "startup describe failed: " + render(err)));

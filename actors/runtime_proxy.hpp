@@ -52,7 +52,7 @@ using runtime_proxy_impl
 struct runtime_proxy_state {
   static inline const char* name = "vLLMRuntimeProxy";
 
-  enum class phase : std::uint8_t { starting, ready, broken, stopping };
+  enum class phase : std::uint8_t { running, broken, stopping };
 
   struct call {
     std::uint64_t id = 0;
@@ -64,7 +64,7 @@ struct runtime_proxy_state {
   };
 
   runtime_proxy_options opts;
-  phase ph = phase::starting;
+  phase ph = phase::running;
   std::deque<call> queue;              // waiting; one request on the wire at a time
   std::optional<call> inflight;
   std::uint64_t next_id = 1;
