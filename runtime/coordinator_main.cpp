@@ -19,10 +19,9 @@
 #include <nlohmann/json.hpp>
 
 #include "runtime/bootstrap.hpp"
-#include "runtime/inference/reference.hpp"
 #include "runtime/inference/tokenizer.hpp"
 #include "runtime/process.hpp"
-#include "runtime/publication/shard.hpp"
+#include "runtime/job.hpp"
 
 namespace {
 
@@ -86,37 +85,14 @@ private:
     return 1;
   }
 
-  // The job's sampling, as the runtime and the trainer's reference both apply it.
-  refit::inference::sampling_config sampling() const {
-    refit::inference::sampling_config sc;
-    sc.n = cfg_.job.n;
-    sc.max_tokens = cfg_.job.max_tokens;
-    sc.temperature = cfg_.job.temperature;
-    sc.top_k = cfg_.job.top_k;
-    sc.top_p = cfg_.job.top_p;
-    sc.seed = cfg_.job.seed;
-    sc.max_prompt_length = cfg_.job.max_prompt_length;
-    return sc;
-  }
-
-  refit::generate_request batch() const {
-    refit::generate_request req;
-    for (const auto& p : cfg_.job.prompts)
-      req.prompts.push_back(refit::inference::byte_tokenizer::encode(p));
-    auto sc = sampling();
-    req.params = {sc.n, sc.max_tokens, sc.temperature, sc.top_k, sc.top_p, sc.seed,
-                  sc.stop_token_ids, sc.max_prompt_length};
-    return req;
-  }
-
   // Generates the batch and checks it against the trainer's reference at `step`.
   void generate_and_check(iteration_report& rep, std::uint64_t step) {
-    auto req = batch();
+    auto sc = refit::job::sampling(cfg_.job, cfg_.job.seed);
+    auto req = refit::job::batch(cfg_.job, sc);
     auto t0 = std::chrono::steady_clock::now();
     auto res = ask<refit::generate_result>(rollout_.engine, "generate", refit::generate_atom::value, req);
     rep.generate_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     double sum = 0;
-    std::vector<refit::inference::scored_sequence> seqs;
     for (const auto& s : res.samples) {
       if (s.model_version != rep.version)
         throw std::runtime_error("a sample is stamped with version " + std::to_string(s.model_version)
@@ -124,28 +100,14 @@ private:
       rep.tokens += s.token_ids.size();
       for (float lp : s.logprobs)
         sum += lp;
-      seqs.push_back({s.prompt_token_ids, s.token_ids});
     }
     rep.tokens_per_s = rep.generate_ms > 0 ? rep.tokens / (rep.generate_ms / 1000.0) : 0;
     rep.mean_logprob = rep.tokens ? sum / rep.tokens : 0;
     if (!res.samples.empty())
       rep.sample_text = refit::inference::byte_tokenizer::decode(res.samples.front().token_ids);
     // Parity: the trainer's full weights at `step`, the same sampling processing.
-    auto params = refit::model::expected_key_stream(cfg_.model);
-    refit::model::synthetic_weights w{cfg_.job.seed, cfg_.trainer.lr, cfg_.trainer.init_scale};
-    std::vector<std::vector<std::byte>> full;
-    std::vector<const std::byte*> ptrs;
-    for (const auto& p : params) {
-      full.push_back(refit::publication::full_tensor(p, w, step));
-      ptrs.push_back(full.back().data());
-    }
-    auto ref = refit::inference::reference_logprobs(cfg_.model, params, ptrs, seqs, sampling());
-    double worst = 0;
-    for (std::size_t i = 0; i < res.samples.size(); ++i)
-      for (std::size_t t = 0; t < res.samples[i].logprobs.size(); ++t)
-        worst = std::max(worst, std::fabs(double(res.samples[i].logprobs[t]) - ref[i][t]));
-    rep.parity_max_abs = worst;
-    rep.parity_ok = worst <= cfg_.job.parity_tolerance;
+    rep.parity_max_abs = refit::job::parity_max_abs(cfg_, step, res.samples, sc);
+    rep.parity_ok = rep.parity_max_abs <= cfg_.job.parity_tolerance;
   }
 
   void print(const iteration_report& r, bool as_json) const {

@@ -23,12 +23,10 @@
 
 #include "actors/sync_coordinator.hpp"
 #include "runtime/bootstrap.hpp"
-#include "runtime/inference/reference.hpp"
-#include "runtime/inference/tokenizer.hpp"
+#include "runtime/job.hpp"
 #include "runtime/model/qwen3_moe.hpp"
 #include "runtime/process.hpp"
 #include "runtime/publication/chunk_plan.hpp"
-#include "runtime/publication/shard.hpp"
 
 namespace refit::soak {
 
@@ -278,20 +276,9 @@ void soak_run::stop() {
 // or if its logprobs differ from the trainer's reference at `step` by more than the recipe's
 // job.parity_tolerance.
 void soak_run::check_generation(cycle_record& c, std::uint64_t step) {
-  const auto& job = cfg_.job;
-  inference::sampling_config sc;
-  sc.n = job.n;
-  sc.max_tokens = job.max_tokens;
-  sc.temperature = job.temperature;
-  sc.top_k = job.top_k;
-  sc.top_p = job.top_p;
-  sc.seed = job.seed + c.cycle; // other samples every cycle
-  sc.max_prompt_length = job.max_prompt_length;
-  generate_request req;
-  for (const auto& p : job.prompts)
-    req.prompts.push_back(inference::byte_tokenizer::encode(p));
-  req.params = {sc.n,     sc.max_tokens,     sc.temperature, sc.top_k,
-                sc.top_p, sc.seed,           sc.stop_token_ids, sc.max_prompt_length};
+  const auto& jc = cfg_.job;
+  auto sc = job::sampling(jc, jc.seed + c.cycle); // other samples every cycle
+  auto req = job::batch(jc, sc);
   auto res = ask<generate_result>("generate after version " + std::to_string(c.version),
                                   rollout_.engine, caf::timespan{5min}, generate_atom::value, req);
   c.samples = res.samples.size();
@@ -304,39 +291,16 @@ void soak_run::check_generation(cycle_record& c, std::uint64_t step) {
     stale("the generation returned no samples");
   if (res.model_version != c.version)
     stale("the generation is stamped with version " + std::to_string(res.model_version));
-  std::vector<inference::scored_sequence> seqs;
-  for (const auto& s : res.samples) {
+  for (const auto& s : res.samples)
     if (s.model_version != c.version)
       stale("a sample is stamped with version " + std::to_string(s.model_version));
-    seqs.push_back({s.prompt_token_ids, s.token_ids});
-  }
-  auto params = model::expected_key_stream(cfg_.model);
-  model::synthetic_weights w{job.seed, cfg_.trainer.lr, cfg_.trainer.init_scale};
-  std::vector<std::vector<std::byte>> full;
-  std::vector<const std::byte*> ptrs;
-  full.reserve(params.size());
-  for (const auto& p : params) {
-    full.push_back(publication::full_tensor(p, w, step));
-    ptrs.push_back(full.back().data());
-  }
-  auto ref = inference::reference_logprobs(cfg_.model, params, ptrs, seqs, sc);
-  double worst = 0;
-  for (std::size_t i = 0; i < res.samples.size(); ++i) {
-    const auto& lp = res.samples[i].logprobs;
-    if (i >= ref.size() || ref[i].size() != lp.size()) {
-      stale("sample " + std::to_string(i) + " has logprobs the reference cannot match");
-      continue;
-    }
-    for (std::size_t t = 0; t < lp.size(); ++t) {
-      double d = std::fabs(double(lp[t]) - ref[i][t]);
-      if (!(d <= worst)) // NaN counts as the worst
-        worst = std::isnan(d) ? INFINITY : d;
-    }
-  }
+  double worst = job::parity_max_abs(cfg_, step, res.samples, sc);
+  if (std::isinf(worst))
+    stale("the samples have logprobs the trainer reference cannot match");
   c.parity_max_abs = worst;
-  if (!(worst <= job.parity_tolerance))
+  if (!(worst <= jc.parity_tolerance))
     stale("logprobs differ from the trainer reference at step " + std::to_string(step) + " by "
-          + std::to_string(worst) + " > " + std::to_string(job.parity_tolerance));
+          + std::to_string(worst) + " > " + std::to_string(jc.parity_tolerance));
 }
 
 // optimizer step -> sleep(2) -> wake(weights) -> publish(i) (the planned fault fires, the
