@@ -215,12 +215,12 @@ typename Inspector::result_type inspect(Inspector& f, finish_request& x) {
 
 struct tensor_checksum {
   std::string name;   // resident tensor name
-  std::string sha256; // hex
+  std::string digest; // element digest, 16 hex digits (runtime/model/digest.hpp)
 };
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, tensor_checksum& x) {
-  return f(caf::meta::type_name("tensor_checksum"), x.name, x.sha256);
+  return f(caf::meta::type_name("tensor_checksum"), x.name, x.digest);
 }
 
 struct receipt {

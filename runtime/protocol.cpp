@@ -293,7 +293,7 @@ commit_result from_proto(const pb::FinishWeightUpdateResult& x) {
     o.device_uuid = r.device_uuid();
     o.resident_tensor_count = r.resident_tensor_count();
     for (const auto& c : r.checksums())
-      o.checksums.push_back(tensor_checksum{c.name(), c.sha256()});
+      o.checksums.push_back(tensor_checksum{c.name(), c.digest()});
     out.receipts.push_back(std::move(o));
   }
   return out;

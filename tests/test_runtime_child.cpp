@@ -735,8 +735,8 @@ canonical_weights synthetic_canonical(std::uint64_t step) {
   return w;
 }
 
-// Hex SHA-256 of every resident tensor of every rank, in layout order, after scattering `w`
-// into zeroed scratch residents.
+// Element digest of every resident tensor of every rank, in layout order, after scattering
+// `w` into zeroed scratch residents (built bytes, independent of the verifier's placement sums).
 std::vector<std::vector<std::string>> expected_checksums(const canonical_weights& w,
                                                          std::uint32_t tp) {
   const auto layout = tiny_layout(tp);
@@ -750,8 +750,9 @@ std::vector<std::vector<std::string>> expected_checksums(const canonical_weights
       pointers.push_back(r.data());
     for (std::size_t i = 0; i < w.params.size(); ++i)
       layout.scatter(w.params[i], w.bytes[i].data(), rank, pointers);
-    for (const auto& r : residents)
-      checksums[rank].push_back(model::sha256_hex(r.data(), r.size()));
+    for (std::size_t i = 0; i < residents.size(); ++i)
+      checksums[rank].push_back(model::digest_hex(model::element_digest(
+        residents[i].data(), residents[i].size(), model::dtype_size(layout.residents()[i].dt))));
   }
   return checksums;
 }
@@ -926,7 +927,7 @@ void expect_verified_receipts(const pb::FinishWeightUpdateResult& result,
     for (std::size_t i = 0; i < layout.residents().size(); ++i) {
       const auto& checksum = receipt.checksums(static_cast<int>(i));
       EXPECT_EQ(checksum.name(), layout.residents()[i].name);
-      EXPECT_EQ(checksum.sha256(), expected[rank][i]) << checksum.name();
+      EXPECT_EQ(checksum.digest(), expected[rank][i]) << checksum.name();
     }
   }
 }

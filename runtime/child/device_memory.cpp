@@ -1,5 +1,8 @@
 #include "runtime/child/device_memory.hpp"
 
+#include "runtime/model/digest.hpp"
+#include "runtime/publication/host_buffer.hpp"
+
 #include <cerrno>
 #include <stdexcept>
 #include <sys/mman.h>
@@ -57,6 +60,34 @@ public:
                              + std::to_string(src.size()) + " bytes cannot restore a buffer of "
                              + std::to_string(dst.size()) + " bytes");
     src.read(0, dst.data(), dst.size());
+  }
+
+  std::unique_ptr<producer_view> open_producer(const std::string& handle,
+                                               std::uint64_t size) override {
+    struct view final : producer_view {
+      explicit view(publication::mapped_buffer m) : mapping(std::move(m)) {}
+      const std::byte* data() const override { return mapping.data(); }
+      std::uint64_t size() const override { return mapping.size(); }
+      publication::mapped_buffer mapping;
+    };
+    return std::make_unique<view>(publication::mapped_buffer(handle, size));
+  }
+
+  void copy_rows(std::byte* dst, std::uint64_t dst_stride, const std::byte* src,
+                 std::uint64_t src_stride, std::uint64_t row_bytes, std::uint64_t rows) override {
+    // Resident weights are written once per publication and not read back by this thread,
+    // so big copies stream past the cache instead of reading every destination line first.
+    publication::bulk_copy_rows(dst, dst_stride, src, src_stride, row_bytes, rows);
+  }
+
+  void synchronize() override {}
+
+  std::vector<std::uint64_t> digests(const std::vector<digest_input>& tensors) override {
+    std::vector<std::uint64_t> out;
+    out.reserve(tensors.size());
+    for (const auto& t : tensors)
+      out.push_back(model::element_digest(t.data, t.nbytes, t.element_size));
+    return out;
   }
 
 private:
@@ -168,14 +199,26 @@ void host_backup::read(std::uint64_t offset, std::byte* dst, std::uint64_t count
   }
 }
 
+#if REFIT_HAVE_CUDA
+std::unique_ptr<device_memory> open_cuda_memory(const device::spec& device); // _cuda.cpp
+#endif
+
 void require_supported(const device::spec& device) {
+#if !REFIT_HAVE_CUDA
   if (device.k == device::kind::cuda)
     throw std::invalid_argument(device::to_string(device)
                                 + ": CUDA devices need a build with REFIT_CUDA=ON");
+#else
+  (void) device;
+#endif
 }
 
 std::unique_ptr<device_memory> open_device_memory(const device::spec& device) {
   require_supported(device);
+#if REFIT_HAVE_CUDA
+  if (device.k == device::kind::cuda)
+    return open_cuda_memory(device);
+#endif
   return std::make_unique<cpu_memory>(device);
 }
 

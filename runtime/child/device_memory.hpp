@@ -7,14 +7,17 @@
 // The host backup of sleep level 1 lives in a memfd (shared memory outside the process's
 // anonymous memory), so RssAnon keeps measuring exactly what the "device" holds.
 //
-// A CUDA implementation (cudaMalloc / cudaFree / cudaMemGetInfo, cudaMemcpy for offload and
-// restore) slots in behind the same interface; open_device_memory picks it by device kind.
+// CUDA devices (REFIT_CUDA builds, runtime/child/device_memory_cuda.cpp): cudaMalloc'ed memory,
+// zero-filled; free_bytes from cudaMemGetInfo; producer buffers are CUDA IPC handles opened
+// with cudaIpcOpenMemHandle; copies and digests run on one stream per worker. open_device_memory
+// picks the implementation by device kind.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "runtime/device.hpp"
 
@@ -75,6 +78,22 @@ private:
   std::uint64_t bytes_ = 0;
 };
 
+// A producer's packed buffer opened read-only by a worker; closed (unmapped / IPC handle
+// closed) on destruction.
+class producer_view {
+public:
+  virtual ~producer_view() = default;
+  virtual const std::byte* data() const = 0;
+  virtual std::uint64_t size() const = 0;
+};
+
+// A tensor in device memory whose element digest is wanted.
+struct digest_input {
+  const std::byte* data = nullptr;
+  std::uint64_t nbytes = 0;
+  std::size_t element_size = 2;
+};
+
 class device_memory {
 public:
   virtual ~device_memory() = default;
@@ -90,6 +109,22 @@ public:
   virtual host_backup offload(const device_buffer& src, const std::string& what) = 0;
   // Copies a host backup back into a device buffer of the same size.
   virtual void restore(const host_backup& src, const device_buffer& dst) = 0;
+
+  // Opens producer buffer `handle` ("memfd:<pid>:<fd>" on CPU devices, "cudaipc:<uuid>:<hex>"
+  // on CUDA devices) for reading `size` bytes. Throws std::runtime_error naming the handle if
+  // it is malformed, of the wrong kind for this device, gone, or smaller than `size`.
+  virtual std::unique_ptr<producer_view> open_producer(const std::string& handle,
+                                                       std::uint64_t size) = 0;
+  // Strided 2-D copy (rows of `row_bytes`) from a producer view into this device's memory.
+  // May be asynchronous (CUDA: the worker's stream); synchronize() waits for it.
+  virtual void copy_rows(std::byte* dst, std::uint64_t dst_stride, const std::byte* src,
+                         std::uint64_t src_stride, std::uint64_t row_bytes,
+                         std::uint64_t rows) = 0;
+  // Returns once every copy issued so far has finished (the producer may then reuse the
+  // buffers they read).
+  virtual void synchronize() = 0;
+  // Element digests (runtime/model/digest.hpp) of `tensors`, computed where they live.
+  virtual std::vector<std::uint64_t> digests(const std::vector<digest_input>& tensors) = 0;
 
   const device::spec& device() const { return device_; }
 

@@ -322,7 +322,7 @@ void weight_transfer::load_chunk(worker& w, const pb::UpdateWeightsRequest& requ
                          + std::to_string(own->size()) + "-byte " + buffer);
   }
 
-  const refit::publication::mapped_buffer* mapping = w.find_mapping(own->handle());
+  const producer_view* mapping = w.find_mapping(own->handle());
   if (mapping != nullptr && mapping->size() != own->size())
     throw validation("update_weights.handles",
                      buffer + " was mapped with " + std::to_string(mapping->size())
@@ -339,6 +339,9 @@ void weight_transfer::load_chunk(worker& w, const pb::UpdateWeightsRequest& requ
   }
   for (const packed_tensor& t : tensors)
     w.load_tensor(*t.param, mapping->data() + t.offset);
+  // The answer to update_weights tells the producer it may rewrite this buffer: every copy
+  // out of it must have finished (on CUDA: the worker's stream, ordered by an event).
+  w.finish_loads();
 }
 
 // ------------------------------------------------------------------------------- finish
@@ -390,12 +393,12 @@ pb::Receipt weight_transfer::receipt_of(const worker& w,
   receipt.set_device_uuid(w.device_uuid());
   receipt.set_resident_tensor_count(w.resident_tensor_count());
   if (header.verify()) {
-    const std::vector<std::string> digests = w.resident_sha256();
+    const std::vector<std::string> digests = w.resident_digests();
     const auto& residents = layout_->residents();
     for (std::size_t i = 0; i < residents.size(); ++i) {
       pb::TensorChecksum* checksum = receipt.add_checksums();
       checksum->set_name(residents[i].name);
-      checksum->set_sha256(digests[i]);
+      checksum->set_digest(digests[i]);
     }
   }
   return receipt;
@@ -441,10 +444,10 @@ void weight_transfer::validate_receipts(const std::vector<pb::Receipt>& receipts
                      std::to_string(expected_checksums) + " checksums");
     for (std::size_t i = 0; i < expected_checksums; ++i) {
       const pb::TensorChecksum& checksum = receipt.checksums(static_cast<int>(i));
-      if (checksum.name() != residents[i].name || checksum.sha256().size() != 64)
+      if (checksum.name() != residents[i].name || checksum.digest().size() != 16)
         throw mismatch("checksums[" + std::to_string(i) + "]",
-                       checksum.name() + " sha256 " + checksum.sha256(),
-                       residents[i].name + " with a 64-digit hex SHA-256");
+                       checksum.name() + " digest " + checksum.digest(),
+                       residents[i].name + " with a 16-digit hex element digest");
     }
   }
 }

@@ -102,14 +102,14 @@ void worker::allocate_kv_cache() {
 
 void worker::load_tensor(const model::param_meta& p, const std::byte* canonical) {
   require_weights_resident("load " + p.name);
-  // tp_layout::scatter's placements, copied with bulk_copy_rows: resident weights are written
-  // once per publication and not read back by this thread, so big copies stream past the
-  // cache instead of reading every destination line first.
+  // tp_layout::scatter's placements, copied by the device (asynchronously on CUDA devices:
+  // finish_loads waits).
   for (const model::placement& pl : layout_->place(p, rank_))
-    publication::bulk_copy_rows(resident_ptrs_[pl.resident_index] + pl.dst_offset,
-                                pl.dst_stride, canonical + pl.src_offset, pl.src_stride,
-                                pl.row_bytes, pl.rows);
+    memory_->copy_rows(resident_ptrs_[pl.resident_index] + pl.dst_offset, pl.dst_stride,
+                       canonical + pl.src_offset, pl.src_stride, pl.row_bytes, pl.rows);
 }
+
+void worker::finish_loads() { memory_->synchronize(); }
 
 void worker::offload_weights() {
   if (!weights_)
@@ -188,27 +188,30 @@ std::uint64_t worker::resident_tensor_count() const {
   return weights_ ? resident_ptrs_.size() : 0;
 }
 
-std::vector<std::string> worker::resident_sha256() const {
-  require_weights_resident("hash the resident tensors");
-  std::vector<std::string> digests;
-  digests.reserve(resident_ptrs_.size());
+std::vector<std::string> worker::resident_digests() const {
+  require_weights_resident("digest the resident tensors");
   const auto& residents = layout_->residents();
+  std::vector<digest_input> tensors;
+  tensors.reserve(residents.size());
   for (std::size_t i = 0; i < residents.size(); ++i)
-    digests.push_back(model::sha256_hex(resident_ptrs_[i], residents[i].nbytes));
-  return digests;
+    tensors.push_back({resident_ptrs_[i], residents[i].nbytes, model::dtype_size(residents[i].dt)});
+  std::vector<std::string> out;
+  out.reserve(residents.size());
+  for (std::uint64_t d : memory_->digests(tensors))
+    out.push_back(model::digest_hex(d));
+  return out;
 }
 
-const publication::mapped_buffer* worker::find_mapping(const std::string& handle) const {
+const producer_view* worker::find_mapping(const std::string& handle) const {
   auto found = mappings_.find(handle);
-  return found == mappings_.end() ? nullptr : &found->second;
+  return found == mappings_.end() ? nullptr : found->second.get();
 }
 
-const publication::mapped_buffer& worker::map_buffer(const std::string& handle,
-                                                     std::uint64_t size) {
+const producer_view& worker::map_buffer(const std::string& handle, std::uint64_t size) {
   if (mappings_.count(handle) != 0)
     throw std::logic_error("worker " + std::to_string(rank_) + ": buffer " + handle
                            + " is mapped already");
-  return mappings_.emplace(handle, publication::mapped_buffer(handle, size)).first->second;
+  return *mappings_.emplace(handle, memory_->open_producer(handle, size)).first->second;
 }
 
 std::uint32_t worker::unmap_buffers() {

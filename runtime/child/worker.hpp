@@ -79,8 +79,9 @@ public:
   worker_report report() const;
   // Resident tensors held now (0 while the weights are not resident).
   std::uint64_t resident_tensor_count() const;
-  // Hex SHA-256 of each resident tensor's bytes, in layout order (weights must be resident).
-  std::vector<std::string> resident_sha256() const;
+  // Element digest (16 hex digits) of each resident tensor, in layout order (weights must be
+  // resident); computed where the weights live (on the device for CUDA workers).
+  std::vector<std::string> resident_digests() const;
 
   // This rank's part of a generate request (inference::engine::generate; every worker runs
   // it at once, connected by `comm`). Needs resident weights and KV cache. The engine (KV
@@ -95,11 +96,13 @@ public:
   // Drops the prefix cache; returns the entries dropped (0 without a KV cache).
   std::uint64_t reset_prefix_cache();
 
-  // The mapping of producer buffer `handle`, or nullptr if this worker has not mapped it.
-  const publication::mapped_buffer* find_mapping(const std::string& handle) const;
-  // Maps `size` bytes of producer buffer `handle` read-only and keeps the mapping until
-  // unmap_buffers (a buffer is mapped once per transfer). Throws if it is mapped already.
-  const publication::mapped_buffer& map_buffer(const std::string& handle, std::uint64_t size);
+  // The view of producer buffer `handle`, or nullptr if this worker has not opened it.
+  const producer_view* find_mapping(const std::string& handle) const;
+  // Opens `size` bytes of producer buffer `handle` read-only and keeps it open until
+  // unmap_buffers (a buffer is opened once per transfer). Throws if it is open already.
+  const producer_view& map_buffer(const std::string& handle, std::uint64_t size);
+  // Waits for every load_tensor copy issued so far (the producer may then rewrite the buffer).
+  void finish_loads();
   std::size_t mapped_buffer_count() const { return mappings_.size(); }
   // Unmaps every producer buffer; returns how many were mapped.
   std::uint32_t unmap_buffers();
@@ -122,7 +125,7 @@ private:
   device_buffer kv_cache_;
   std::unique_ptr<inference::engine> engine_; // over kv_cache_; reset before it
   host_backup weights_backup_;
-  std::map<std::string, publication::mapped_buffer> mappings_; // by handle string
+  std::map<std::string, std::unique_ptr<producer_view>> mappings_; // by handle string
 
   std::mutex mutex_;
   std::condition_variable wakeup_;

@@ -731,13 +731,21 @@ void check_range(const param_meta& p, std::uint64_t begin, std::uint64_t count) 
 
 } // namespace
 
+std::vector<std::uint64_t> synthetic_bases(const std::string& name, std::uint64_t seed,
+                                           std::uint64_t step) {
+  const std::uint64_t name_hash = fnv1a64(name);
+  std::vector<std::uint64_t> bases(step + 1);
+  for (std::uint64_t s = 0; s <= step; ++s)
+    bases[s] = stream_base(seed, name_hash, s);
+  return bases;
+}
+
+bool synthetic_is_norm(const std::string& name) { return is_norm_weight(name); }
+
 void fill_synthetic(const param_meta& p, const synthetic_weights& w, std::uint64_t step,
                     std::uint64_t begin, std::uint64_t count, std::byte* out) {
   check_range(p, begin, count);
-  const std::uint64_t name_hash = fnv1a64(p.name);
-  std::vector<std::uint64_t> bases(step + 1);
-  for (std::uint64_t s = 0; s <= step; ++s)
-    bases[s] = stream_base(w.seed, name_hash, s);
+  const std::vector<std::uint64_t> bases = synthetic_bases(p.name, w.seed, step);
   const bool is_norm = is_norm_weight(p.name);
   switch (p.dt) {
     case dtype::bfloat16: return fill_elements<bf16_codec>(is_norm, w, bases, begin, count, out);

@@ -150,6 +150,13 @@ struct synthetic_weights {
 void fill_synthetic(const param_meta& p, const synthetic_weights& w, std::uint64_t step,
                     std::uint64_t begin, std::uint64_t count, std::byte* out);
 
+// The counter-stream bases behind tensor `name`'s values at `step`: element e of the stream
+// of step s is uniform(bases[s], e) (out has step + 1 entries; the device twin in
+// runtime/cuda uses them), and whether the name is a norm weight (initialized around 1.0).
+std::vector<std::uint64_t> synthetic_bases(const std::string& name, std::uint64_t seed,
+                                           std::uint64_t step);
+bool synthetic_is_norm(const std::string& name);
+
 // Advances elements in place by one synthetic optimizer step (step is the new step number).
 void apply_synthetic_step(const param_meta& p, const synthetic_weights& w, std::uint64_t step,
                           std::uint64_t begin, std::uint64_t count, std::byte* inout);
