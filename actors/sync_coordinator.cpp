@@ -10,6 +10,8 @@
 
 #include "runtime/model/digest.hpp"
 #include "runtime/protocol_version.hpp"
+#include "runtime/device.hpp"
+#include "runtime/publication/backend.hpp"
 #include "runtime/publication/shard.hpp"
 
 namespace refit {
@@ -32,28 +34,17 @@ coordinator_status sync_coordinator_state::status() const {
 std::vector<receipt> expected_resident_checksums(const model::model_config& model,
                                                  std::uint32_t tp,
                                                  const model::synthetic_weights& weights,
-                                                 std::uint64_t step) {
-  model::tp_layout layout(model, tp);
+                                                 std::uint64_t step, const std::string& device) {
+  const auto on = device::parse(device, "verifier device");
+  const auto digests = publication::expected_resident_digests(model, tp, weights, step, on);
+  const model::tp_layout layout(model, tp);
   const auto& residents = layout.residents();
-  std::vector<std::vector<std::vector<std::byte>>> store(tp);
-  std::vector<std::vector<std::byte*>> ptrs(tp);
-  for (std::uint32_t r = 0; r < tp; ++r) {
-    for (const auto& spec : residents) {
-      store[r].emplace_back(spec.nbytes, std::byte{0});
-      ptrs[r].push_back(store[r].back().data());
-    }
-  }
-  for (const auto& p : model::expected_key_stream(model)) {
-    auto full = publication::full_tensor(p, weights, step);
-    for (std::uint32_t r = 0; r < tp; ++r)
-      layout.scatter(p, full.data(), r, ptrs[r]);
-  }
   std::vector<receipt> out(tp);
   for (std::uint32_t r = 0; r < tp; ++r) {
     out[r].tp_rank = r;
     for (std::size_t i = 0; i < residents.size(); ++i)
       out[r].checksums.push_back(
-        tensor_checksum{residents[i].name, model::sha256_hex(ptrs[r][i], residents[i].nbytes)});
+        tensor_checksum{residents[i].name, model::digest_hex(digests[r][i])});
   }
   return out;
 }
@@ -187,13 +178,13 @@ void check_verification(self_ptr self, std::shared_ptr<publication_ctx> ctx) {
                                            std::to_string(have.size()) + " checksums, expected "
                                              + std::to_string(want.size())));
     for (std::size_t i = 0; i < want.size(); ++i)
-      if (have[i].name != want[i].name || have[i].sha256 != want[i].sha256)
+      if (have[i].name != want[i].name || have[i].digest != want[i].digest)
         return poison(self, make_refit_error(errc::verification_failed, want[i].name,
                                              "TP worker " + std::to_string(r)
                                                + " holds bytes that differ from the trainer's "
-                                                 "weights (sha256 "
-                                               + have[i].sha256.substr(0, 16) + " != "
-                                               + want[i].sha256.substr(0, 16) + ")"));
+                                                 "weights (digest "
+                                               + have[i].digest + " != "
+                                               + want[i].digest + ")"));
   }
   finalize(self, ctx);
 }
@@ -276,24 +267,22 @@ void check_manifests(self_ptr self, std::shared_ptr<publication_ctx> ctx) {
         manifest_atom::value, ctx->id);
 }
 
-void load_chunk(self_ptr self, std::shared_ptr<publication_ctx> ctx, std::uint32_t k) {
-  if (k == ctx->plan.chunks.size())
-    return check_manifests(self, ctx);
-  if (k == 0) {
-    ctx->first_chunk = clock_type::now();
-    enter(self, publication_state::loading);
-  }
+void pump(self_ptr self, std::shared_ptr<publication_ctx> ctx);
+
+// Materialize phase of chunk k on every rank; its packed tensors and handles become ctx->ready[k].
+void materialize_chunk(self_ptr self, std::shared_ptr<publication_ctx> ctx, std::uint32_t k) {
+  ctx->materializing = true;
   phase(self, ctx, phase_kind::materialize, k,
         [self, ctx, k](std::vector<rank_report>& reports) {
-          auto& st = self->state;
           weight_chunk chunk;
           chunk.publication_id = ctx->id;
           chunk.chunk_index = k;
           chunk.is_first = k == 0;
           chunk.is_last = k + 1 == ctx->plan.chunks.size();
           chunk.tensors = reports.front().tensors;
+          std::uint64_t bytes = 0;
           for (const auto& t : chunk.tensors)
-            ctx->peak_bytes = std::max<std::uint64_t>(ctx->peak_bytes, t.offset + t.nbytes);
+            bytes = std::max<std::uint64_t>(bytes, t.offset + t.nbytes);
           for (const auto& r : reports) {
             if (r.tensors.size() != chunk.tensors.size()
                 || !std::equal(r.tensors.begin(), r.tensors.end(), chunk.tensors.begin(),
@@ -308,19 +297,60 @@ void load_chunk(self_ptr self, std::shared_ptr<publication_ctx> ctx, std::uint32
                                                      + " packed other tensors than rank 0"));
             chunk.handles.insert(chunk.handles.end(), r.handles.begin(), r.handles.end());
           }
-          self->request(st.engine, engine_timeout(st, st.opts.timeouts_ms.update_weights),
-                        update_atom::value, std::move(chunk))
-            .then(guarded<chunk_ack>(self, ctx,
-                          [self, ctx, k](chunk_ack&) {
-                            phase(self, ctx, phase_kind::transfer, k,
-                                  [self, ctx, k](std::vector<rank_report>&) {
-                                    load_chunk(self, ctx, k + 1);
-                                  },
-                                  transferred_atom::value, ctx->id, k);
-                          }),
-                  on_error(self, ctx));
+          ctx->held[k] = bytes;
+          std::uint64_t held = 0;
+          for (const auto& [chunk_index, b] : ctx->held)
+            held += b;
+          ctx->peak_bytes = std::max(ctx->peak_bytes, held);
+          ctx->ready.emplace(k, std::move(chunk));
+          ctx->materializing = false;
+          ++ctx->next_materialize;
+          pump(self, ctx);
         },
         materialize_atom::value, ctx->id, k);
+}
+
+// update_weights of chunk k, then the transfer phase: every rank may reuse its buffer.
+void send_chunk(self_ptr self, std::shared_ptr<publication_ctx> ctx, std::uint32_t k) {
+  auto& st = self->state;
+  ctx->updating = true;
+  auto chunk = std::move(ctx->ready.at(k));
+  ctx->ready.erase(k);
+  self->request(st.engine, engine_timeout(st, st.opts.timeouts_ms.update_weights),
+                update_atom::value, std::move(chunk))
+    .then(guarded<chunk_ack>(self, ctx,
+                             [self, ctx, k](chunk_ack&) {
+                               phase(self, ctx, phase_kind::transfer, k,
+                                     [self, ctx, k](std::vector<rank_report>&) {
+                                       ctx->held.erase(k);
+                                       ctx->updating = false;
+                                       ++ctx->transferred;
+                                       pump(self, ctx);
+                                     },
+                                     transferred_atom::value, ctx->id, k);
+                             }),
+          on_error(self, ctx));
+}
+
+// Advances the chunk pipeline: chunks load in order, one update at a time; up to
+// buffer_count chunks are materialized ahead of the last transferred one, so with two
+// buffers chunk k + 1 is gathered while the runtime loads chunk k.
+void pump(self_ptr self, std::shared_ptr<publication_ctx> ctx) {
+  const auto n = static_cast<std::uint32_t>(ctx->plan.chunks.size());
+  if (ctx->transferred == n)
+    return check_manifests(self, ctx);
+  if (!ctx->updating && ctx->ready.count(ctx->transferred))
+    send_chunk(self, ctx, ctx->transferred);
+  const std::uint32_t buffers = std::max<std::uint32_t>(1, ctx->buffer_count);
+  if (!ctx->materializing && ctx->next_materialize < n
+      && ctx->next_materialize < ctx->transferred + buffers)
+    materialize_chunk(self, ctx, ctx->next_materialize);
+}
+
+void load_chunks(self_ptr self, std::shared_ptr<publication_ctx> ctx) {
+  ctx->first_chunk = clock_type::now();
+  enter(self, publication_state::loading);
+  pump(self, ctx);
 }
 
 void start_update(self_ptr self, std::shared_ptr<publication_ctx> ctx) {
@@ -338,7 +368,7 @@ void start_update(self_ptr self, std::shared_ptr<publication_ctx> ctx) {
                       .then(guarded<engine_status>(self, ctx,
                                     [self, ctx](engine_status&) {
                                       enter(self, publication_state::started);
-                                      load_chunk(self, ctx, 0);
+                                      load_chunks(self, ctx);
                                     }),
                             on_error(self, ctx));
                   }),
@@ -431,11 +461,13 @@ void begin(self_ptr self, std::shared_ptr<publication_ctx> ctx) {
                                                            model = st.opts.model,
                                                            tp = h.tp_world_size,
                                                            w = st.opts.weights,
-                                                           step = ctx->ranks.front().step] {
+                                                           step = ctx->ranks.front().step,
+                                                           device = ctx->ranks.front().device] {
                                             std::vector<receipt> sums;
                                             std::string error;
                                             try {
-                                              sums = expected_resident_checksums(model, tp, w, step);
+                                              sums = expected_resident_checksums(model, tp, w, step,
+                                                                                              device);
                                             } catch (const std::exception& e) {
                                               error = e.what();
                                             }
@@ -477,6 +509,7 @@ void start_attempt(self_ptr self, std::uint64_t version,
   ctx->attempt = attempt;
   ctx->recovered_errors = std::move(recovered);
   ctx->verify = st.opts.publication.verify;
+  ctx->buffer_count = st.opts.publication.buffer_count;
   ctx->current = phase_id{ctx->id, static_cast<std::uint8_t>(phase_kind::prepare), 0};
   // The expected stream is planned from the config alone, independent of what the ranks emit.
   ctx->expected = model::expected_key_stream(st.opts.model);

@@ -12,6 +12,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -47,6 +48,14 @@ struct publication_ctx {
   std::chrono::steady_clock::time_point first_chunk;
   double seconds = 0;
   std::uint64_t peak_bytes = 0;          // most packed bytes one rank held at once
+  // The chunk pipeline (double buffering): chunk k + 1 materializes while chunk k loads.
+  std::uint32_t buffer_count = 2;        // packed buffers per rank
+  std::uint32_t next_materialize = 0;    // next chunk to ask the ranks for
+  bool materializing = false;            // a materialize phase is open
+  bool updating = false;                 // an update_weights + transfer phase is in flight
+  std::uint32_t transferred = 0;         // chunks loaded by the runtime and released by ranks
+  std::map<std::uint32_t, weight_chunk> ready; // materialized, not yet sent to the engine
+  std::map<std::uint32_t, std::uint64_t> held; // packed bytes per chunk not yet transferred
   commit_result commit;
   bool verify = false;
   bool verify_done = false;              // expected checksums computed
@@ -101,11 +110,13 @@ sync_coordinator(sync_coordinator_impl::stateful_pointer<sync_coordinator_state>
                  sync_coordinator_options opts, rollout_engine_actor engine,
                  consensus_gate_actor gate, std::vector<trainer_rank_actor> ranks);
 
-// Expected resident checksums of every TP worker for synthetic weights at `step`: the
-// trainer's full tensors, sliced by the TP layout, hashed (blocking; worker threads only).
+// Expected resident element digests of every TP worker for synthetic weights at `step`
+// (publication::expected_resident_digests), computed on `device` ("cpu:N" or, in CUDA
+// builds, "cuda:N": the trainer's first device). Blocking; worker threads only.
 std::vector<receipt> expected_resident_checksums(const model::model_config& model,
                                                  std::uint32_t tp,
                                                  const model::synthetic_weights& weights,
-                                                 std::uint64_t step);
+                                                 std::uint64_t step,
+                                                 const std::string& device = "cpu:0");
 
 } // namespace refit

@@ -15,11 +15,12 @@ using self_ptr = trainer_rank_impl::stateful_pointer<trainer_rank_state>;
 
 rank_info trainer_rank_state::info() const {
   rank_info out;
+  const auto device = device::parse(opts.device, "trainer device");
   out.rank = opts.rank;
   out.world = opts.world;
   out.device = opts.device;
   out.device_uuid = uuid;
-  out.free_bytes = device::host_available_bytes();
+  out.free_bytes = publication::device_free_bytes(device);
   out.step = step;
   out.shard_bytes = shards ? shards->bytes() : 0;
   out.peak_materialized_bytes = peak_materialized_bytes;
@@ -60,8 +61,10 @@ std::string shape_string(const std::vector<std::int64_t>& shape) {
 
 // Worker-thread side of `prepare`: independent re-planning and buffer allocation.
 rank_report run_prepare(const trainer_rank_options& o, const publication::shard_store& shards,
-                        rank_session& s, rank_report r) {
+                        const std::string& storage_error, rank_session& s, rank_report r) {
   try {
+    if (!shards.ready())
+      return failed(r, "this rank's shards could not be allocated: " + storage_error);
     if (s.spec.world != o.world)
       return failed(r, "publication is for " + std::to_string(s.spec.world)
                          + " trainer ranks, this rank is one of " + std::to_string(o.world));
@@ -81,8 +84,12 @@ rank_report run_prepare(const trainer_rank_options& o, const publication::shard_
     for (std::size_t i = 0; i < shards.params().size(); ++i)
       if (!drop || shards.params()[i].name != drop->tensor)
         s.stream.push_back(i);
-    s.pool = std::make_unique<publication::host_buffer_pool>(s.spec.buffer_count,
-                                                             s.spec.buffer_bytes);
+    s.pool = publication::make_buffer_pool(shards.device(), s.spec.buffer_count,
+                                           s.spec.buffer_bytes);
+    auto deadline = std::chrono::steady_clock::now()
+                    + std::chrono::milliseconds(o.collective_timeout_ms);
+    if (auto status = s.coll->prepare(o.rank, deadline); !status.ok)
+      return failed(r, "collective: " + status.error);
     return r;
   } catch (const std::exception& e) {
     return failed(r, std::string("prepare: ") + e.what());
@@ -155,13 +162,23 @@ trainer_rank_impl::behavior_type trainer_rank(self_ptr self, trainer_rank_option
   auto& st = self->state;
   st.opts = std::move(opts);
   auto dev = device::parse(st.opts.device, "trainer device");
-  st.uuid = device::cpu_uuid(dev.index);
+  st.uuid = publication::device_uuid(dev);
   st.shards = std::make_shared<publication::shard_store>(model::expected_key_stream(st.opts.model),
                                                          st.opts.world, st.opts.rank,
-                                                         st.opts.weights);
+                                                         st.opts.weights, dev,
+                                                         /*allocate_now=*/false);
   for (const auto& f : st.opts.faults)
     st.faults.push_back({f, false});
   st.worker = std::make_unique<worker_thread>();
+  // The shards' storage (on a GPU: a large cudaMalloc and one kernel per tensor) is built on
+  // the worker thread, before any job that reads it; a failure is reported by prepare.
+  st.worker->post([shards = st.shards, error = st.storage_error] {
+    try {
+      shards->allocate();
+    } catch (const std::exception& e) {
+      *error = e.what();
+    }
+  });
   // Worker results come back as messages; the thread holds only a weak reference.
   caf::actor_addr weak = self->address();
   auto post_back = [weak](auto... xs) {
@@ -181,7 +198,8 @@ trainer_rank_impl::behavior_type trainer_rank(self_ptr self, trainer_rank_option
       auto job = st.next_job++;
       st.steps.emplace(job, rp);
       st.worker->post([shards = st.shards, job, post_back] {
-        shards->apply_step();
+        if (shards->ready())
+          shards->apply_step(); // otherwise prepare reports the allocation failure
         post_back(done_atom::value, job, shards->step());
       });
       return rp;
@@ -213,9 +231,12 @@ trainer_rank_impl::behavior_type trainer_rank(self_ptr self, trainer_rank_option
         }
       st.session = session;
       st.last_transferred = -1;
+      st.last_requested = -1;
       st.materialized_bytes = 0;
-      st.worker->post([o = st.opts, shards = st.shards, session, r, post_back]() mutable {
-        post_back(done_atom::value, run_prepare(o, *shards, *session, std::move(r)));
+      st.packed.clear();
+      st.worker->post([o = st.opts, shards = st.shards, error = st.storage_error, session, r,
+                       post_back]() mutable {
+        post_back(done_atom::value, run_prepare(o, *shards, *error, *session, std::move(r)));
       });
     },
     [=](materialize_atom, const std::string& pub, std::uint32_t k) {
@@ -225,12 +246,20 @@ trainer_rank_impl::behavior_type trainer_rank(self_ptr self, trainer_rank_option
         report(self, failed(r, "no open publication '" + pub + "' on this rank"));
         return;
       }
-      // Bounded memory: chunk k+1 is never materialized before chunk k was transferred.
-      if (static_cast<std::int64_t>(k) != st.last_transferred + 1) {
-        report(self, failed(r, "materialize[" + std::to_string(k) + "] requested but the last "
-                                 "transferred chunk is " + std::to_string(st.last_transferred)));
+      // Chunks in order; bounded memory: with B buffers, chunk k is materialized only after
+      // chunk k - B was transferred (its buffer, k mod B, is free again). B = 2 is double
+      // buffering: chunk k + 1 is gathered while the runtime loads chunk k.
+      const auto buffers = static_cast<std::int64_t>(st.session->spec.buffer_count);
+      if (static_cast<std::int64_t>(k) != st.last_requested + 1
+          || static_cast<std::int64_t>(k) > st.last_transferred + buffers) {
+        report(self, failed(r, "materialize[" + std::to_string(k) + "] requested after chunk "
+                                 + std::to_string(st.last_requested) + " with "
+                                 + std::to_string(st.last_transferred)
+                                 + " the last transferred chunk and "
+                                 + std::to_string(buffers) + " buffers"));
         return;
       }
+      st.last_requested = k;
       if (const auto* f = find_fault(*st.session, "never_report"); f && f->chunk == k)
         return; // test-only: this rank stays silent; the gate's deadline must catch it
       st.worker->post([o = st.opts, uuid = st.uuid, shards = st.shards, session = st.session, k,
@@ -247,6 +276,7 @@ trainer_rank_impl::behavior_type trainer_rank(self_ptr self, trainer_rank_option
         std::uint64_t bytes = 0;
         for (const auto& t : r.tensors)
           bytes = std::max<std::uint64_t>(bytes, t.offset + t.nbytes);
+        st.packed[r.phase.chunk] = bytes;
         st.materialized_bytes += bytes;
         st.peak_materialized_bytes = std::max(st.peak_materialized_bytes, st.materialized_bytes);
       }
@@ -259,8 +289,18 @@ trainer_rank_impl::behavior_type trainer_rank(self_ptr self, trainer_rank_option
         report(self, failed(r, "no open publication '" + pub + "' on this rank"));
         return;
       }
+      if (static_cast<std::int64_t>(k) != st.last_transferred + 1
+          || static_cast<std::int64_t>(k) > st.last_requested) {
+        report(self, failed(r, "transferred[" + std::to_string(k) + "] out of order (last "
+                                 "transferred " + std::to_string(st.last_transferred) + ")"));
+        return;
+      }
       st.last_transferred = k;
-      st.materialized_bytes = 0; // the runtime finished reading the buffer
+      // The runtime finished reading chunk k's buffer.
+      if (auto it = st.packed.find(k); it != st.packed.end()) {
+        st.materialized_bytes -= it->second;
+        st.packed.erase(it);
+      }
       report(self, std::move(r));
     },
     [=](manifest_atom, const std::string& pub) {
@@ -308,6 +348,7 @@ trainer_rank_impl::behavior_type trainer_rank(self_ptr self, trainer_rank_option
                                 + std::to_string(failure.rank) + "): " + failure.error);
       st.session.reset();
       st.materialized_bytes = 0;
+      st.packed.clear();
     },
   };
 }

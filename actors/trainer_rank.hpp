@@ -16,7 +16,7 @@
 #include "runtime/config.hpp"
 #include "runtime/publication/chunk_plan.hpp"
 #include "runtime/publication/collective_registry.hpp"
-#include "runtime/publication/host_buffer.hpp"
+#include "runtime/publication/backend.hpp"
 #include "runtime/publication/shard.hpp"
 #include "runtime/worker_thread.hpp"
 
@@ -38,7 +38,7 @@ struct trainer_rank_options {
 struct rank_session {
   publication_spec spec;
   publication::chunk_plan plan;
-  std::unique_ptr<publication::host_buffer_pool> pool;
+  std::unique_ptr<publication::buffer_pool> pool;
   std::shared_ptr<publication::collective> coll;
   std::vector<std::size_t> stream;         // emission order (indices into the shard store)
   std::size_t cursor = 0;
@@ -56,12 +56,17 @@ struct trainer_rank_state {
   trainer_rank_options opts;
   std::string uuid;
   std::shared_ptr<publication::shard_store> shards;
+  // Why the worker thread could not allocate the shards (written there before any later job
+  // runs; read only by later jobs on the same thread).
+  std::shared_ptr<std::string> storage_error = std::make_shared<std::string>();
   std::shared_ptr<rank_session> session; // null between publications
   std::uint64_t step = 0;
   std::uint32_t next_job = 1;
   std::map<std::uint32_t, caf::typed_response_promise<std::uint64_t>> steps;
   std::int64_t last_transferred = -1;    // chunk index whose transfer this rank reported
-  std::uint64_t materialized_bytes = 0;  // packed bytes gathered but not yet transferred
+  std::int64_t last_requested = -1;      // chunk index last asked to materialize
+  std::map<std::uint32_t, std::uint64_t> packed; // chunk -> packed bytes not yet transferred
+  std::uint64_t materialized_bytes = 0;  // their sum
   std::uint64_t peak_materialized_bytes = 0;
   struct armed_fault {
     config::trainer_fault fault;

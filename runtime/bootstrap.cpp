@@ -12,6 +12,7 @@
 #include "actors/sync_coordinator.hpp"
 #include "actors/trainer_rank.hpp"
 #include "actors/runtime_proxy.hpp"
+#include "runtime/publication/backend.hpp"
 
 namespace refit {
 
@@ -66,7 +67,13 @@ publication_handles spawn_publication(caf::actor_system& sys, const config::refi
   publication_handles h;
   h.gate = sys.spawn(consensus_gate);
   auto world = cfg.runtime.tp_size;
-  auto collectives = std::make_shared<publication::collective_registry>(world);
+  std::vector<device::spec> rank_devices;
+  for (std::uint32_t r = 0; r < world; ++r)
+    rank_devices.push_back(device::parse(
+      cfg.trainer.devices.empty() ? cfg.runtime.devices[r] : cfg.trainer.devices[r],
+      cfg.trainer.devices.empty() ? "runtime.devices[" + std::to_string(r) + "]"
+                                  : "trainer.devices[" + std::to_string(r) + "]"));
+  auto collectives = publication::make_collective_registry(rank_devices);
   model::synthetic_weights weights{cfg.job.seed, cfg.trainer.lr, cfg.trainer.init_scale};
   for (std::uint32_t r = 0; r < world; ++r) {
     trainer_rank_options o;
