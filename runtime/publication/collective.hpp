@@ -30,6 +30,12 @@ class collective {
 public:
   virtual ~collective() = default;
   virtual std::uint32_t world() const = 0;
+  // Called by each rank before its first all_gather of a publication, on the thread that
+  // will gather (NCCL: creates the communicators once). Same error rules as all_gather.
+  virtual collective_status prepare(std::uint32_t rank,
+                                    std::chrono::steady_clock::time_point deadline) {
+    return {};
+  }
   // Blocking; returns an error (never hangs) when a rank does not arrive before `deadline`,
   // when ranks disagree on the items' sizes, or after abort().
   virtual collective_status all_gather(std::uint32_t rank, const std::vector<gather_item>& items,

@@ -11,6 +11,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "runtime/device.hpp"
 #include "runtime/model/qwen3_moe.hpp"
 
 namespace refit::publication {
@@ -27,11 +28,20 @@ struct shard_spec {
 // 1-d tensors shard their single dimension (row = one element).
 shard_spec shard_of(const model::param_meta& p, std::uint32_t world, std::uint32_t rank);
 
-// All canonical tensors' shards of one rank, contiguous per tensor, with synthetic weights.
+// All canonical tensors' shards of one rank, contiguous per tensor, with synthetic weights,
+// in host memory (cpu:N) or in the device memory of cuda:N (REFIT_CUDA builds; values are
+// generated and stepped by kernels, bit-identical to the host's). data() points into that
+// memory.
 class shard_store {
 public:
   shard_store(std::vector<model::param_meta> params, std::uint32_t world, std::uint32_t rank,
-              model::synthetic_weights weights);
+              model::synthetic_weights weights, device::spec device = {},
+              bool allocate_now = true);
+  // Allocates the storage and fills it with the step-0 weights: done by the constructor
+  // unless allocate_now is false (a trainer rank does it on its worker thread: on a GPU it is
+  // a large cudaMalloc and thousands of kernels). Throws on failure; ready() tells.
+  void allocate();
+  bool ready() const { return storage_ != nullptr; }
   std::uint32_t world() const { return world_; }
   std::uint32_t rank() const { return rank_; }
   std::uint64_t step() const { return step_; }
@@ -45,6 +55,7 @@ public:
   // One synthetic optimizer step on every shard (step_ + 1).
   void apply_step();
   std::uint64_t bytes() const { return storage_size_; }
+  const device::spec& device() const { return device_; }
 
 private:
   std::vector<model::param_meta> params_;
@@ -55,7 +66,9 @@ private:
   std::uint32_t rank_;
   model::synthetic_weights weights_;
   std::uint64_t step_ = 0;
-  std::unique_ptr<std::byte[]> storage_;
+  device::spec device_;
+  std::shared_ptr<void> owner_; // the host array or the device allocation
+  std::byte* storage_ = nullptr;
   std::uint64_t storage_size_ = 0;
 };
 
