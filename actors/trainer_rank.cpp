@@ -13,14 +13,13 @@ namespace refit {
 
 using self_ptr = trainer_rank_impl::stateful_pointer<trainer_rank_state>;
 
-rank_info trainer_rank_state::info() const {
+rank_info trainer_rank_state::info(std::uint64_t free_bytes) const {
   rank_info out;
-  const auto device = device::parse(opts.device, "trainer device");
   out.rank = opts.rank;
   out.world = opts.world;
   out.device = opts.device;
   out.device_uuid = uuid;
-  out.free_bytes = publication::device_free_bytes(device);
+  out.free_bytes = free_bytes;
   out.step = step;
   out.shard_bytes = shards ? shards->bytes() : 0;
   out.peak_materialized_bytes = peak_materialized_bytes;
@@ -162,7 +161,13 @@ trainer_rank_impl::behavior_type trainer_rank(self_ptr self, trainer_rank_option
   auto& st = self->state;
   st.opts = std::move(opts);
   auto dev = device::parse(st.opts.device, "trainer device");
-  st.uuid = publication::device_uuid(dev);
+  if (!st.opts.device_uuid.empty())
+    st.uuid = st.opts.device_uuid;
+  else if (dev.k == device::kind::cpu)
+    st.uuid = publication::device_uuid(dev);
+  else
+    throw std::invalid_argument(st.opts.device + ": trainer_rank_options.device_uuid must be "
+                                "resolved by the spawner for CUDA devices");
   st.shards = std::make_shared<publication::shard_store>(model::expected_key_stream(st.opts.model),
                                                          st.opts.world, st.opts.rank,
                                                          st.opts.weights, dev,
@@ -186,7 +191,24 @@ trainer_rank_impl::behavior_type trainer_rank(self_ptr self, trainer_rank_option
       caf::anon_send(hdl, xs...);
   };
   return {
-    [=](describe_atom) { return self->state.info(); },
+    [=](describe_atom) -> caf::result<rank_info> {
+      // Free device memory is read on the worker thread (on a GPU: cudaMemGetInfo, which may
+      // create the CUDA context), never on a scheduler thread.
+      auto& st = self->state;
+      auto rp = self->make_response_promise<rank_info>();
+      auto job = st.next_job++;
+      st.describes.emplace(job, rp);
+      st.worker->post([device = st.opts.device, job, post_back] {
+        std::uint64_t free = 0;
+        try {
+          free = publication::device_free_bytes(device::parse(device, "trainer device"));
+        } catch (const std::exception&) {
+          free = 0; // reported as no free memory: preflight refuses the publication
+        }
+        post_back(done_atom::value, job, free);
+      });
+      return rp;
+    },
     [=](step_atom) -> caf::result<std::uint64_t> {
       auto& st = self->state;
       if (st.session)
@@ -204,12 +226,15 @@ trainer_rank_impl::behavior_type trainer_rank(self_ptr self, trainer_rank_option
       });
       return rp;
     },
-    [=](done_atom, std::uint32_t job, std::uint64_t step) {
+    [=](done_atom, std::uint32_t job, std::uint64_t value) {
       auto& st = self->state;
-      st.step = step;
       if (auto it = st.steps.find(job); it != st.steps.end()) {
-        it->second.deliver(step);
+        st.step = value;
+        it->second.deliver(value);
         st.steps.erase(it);
+      } else if (auto d = st.describes.find(job); d != st.describes.end()) {
+        d->second.deliver(st.info(value));
+        st.describes.erase(d);
       }
     },
     [=](prepare_atom, const publication_spec& spec) {

@@ -26,6 +26,9 @@ struct trainer_rank_options {
   std::uint32_t rank = 0;
   std::uint32_t world = 1;
   std::string device = "cpu:0";
+  // The device's physical identity, resolved by whoever spawns the rank (on a GPU it takes a
+  // CUDA call, which does not belong on a scheduler thread); empty: resolved here (CPU only).
+  std::string device_uuid;
   model::model_config model;
   model::synthetic_weights weights;
   std::vector<config::trainer_fault> faults; // this rank's test-only faults
@@ -48,7 +51,8 @@ struct rank_session {
 
 using trainer_rank_impl = trainer_rank_actor::extend<
   caf::reacts_to<done_atom, rank_report>,                   // a worker job's phase outcome
-  caf::reacts_to<done_atom, std::uint32_t, std::uint64_t>>; // a step job finished
+  caf::reacts_to<done_atom, std::uint32_t, std::uint64_t>>; // a step (new step) or describe
+                                                            // (free bytes) job finished
 
 struct trainer_rank_state {
   static inline const char* name = "TrainerRank";
@@ -63,6 +67,7 @@ struct trainer_rank_state {
   std::uint64_t step = 0;
   std::uint32_t next_job = 1;
   std::map<std::uint32_t, caf::typed_response_promise<std::uint64_t>> steps;
+  std::map<std::uint32_t, caf::typed_response_promise<rank_info>> describes;
   std::int64_t last_transferred = -1;    // chunk index whose transfer this rank reported
   std::int64_t last_requested = -1;      // chunk index last asked to materialize
   std::map<std::uint32_t, std::uint64_t> packed; // chunk -> packed bytes not yet transferred
@@ -75,7 +80,8 @@ struct trainer_rank_state {
   std::vector<armed_fault> faults;       // from opts.faults
   std::unique_ptr<worker_thread> worker; // last member: joined first
 
-  rank_info info() const;
+  // `free_bytes`: the device's free memory, read on the worker thread.
+  rank_info info(std::uint64_t free_bytes) const;
 };
 
 trainer_rank_impl::behavior_type

@@ -23,13 +23,16 @@ struct worker_info {
   std::uint64_t weight_bytes_offloaded = 0;
   std::uint64_t device_free_bytes = 0;
   std::uint64_t resident_tensor_count = 0;
+  std::uint32_t producer_buffers_open = 0;
+  std::uint64_t producer_buffers_opened = 0;
 };
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, worker_info& x) {
   return f(caf::meta::type_name("worker_info"), x.rank, x.device_index, x.device_uuid,
            x.weight_bytes_resident, x.kv_cache_bytes_resident, x.weight_bytes_offloaded,
-           x.device_free_bytes, x.resident_tensor_count);
+           x.device_free_bytes, x.resident_tensor_count, x.producer_buffers_open,
+           x.producer_buffers_opened);
 }
 
 struct runtime_description {

@@ -25,6 +25,13 @@
 // `verified` is true only if it committed with every resident tensor's SHA-256 matching the
 // trainer's weights.
 //
+// On GPUs (transport cuda_ipc, REFIT_CUDA builds) the bound is NCCL: an all-gather of the
+// same output bytes (publication_result.bytes on every rank) among the trainer ranks'
+// devices, as `chunks` equal all-gathers, timed in this process after the publications; and
+// peak_extra_device_bytes is the largest drop of cudaMemGetInfo's free bytes on any trainer
+// device during a timed publication, sampled every 100 us from a thread of this process
+// (device-wide: it sees the runtime child's allocations too).
+//
 // Memory: before each timed publication the bench resets the peak-RSS watermark (VmHWM, via
 // /proc/<pid>/clear_refs) of this process (trainer ranks: packed buffers) and of the runtime
 // child (its read-only mappings of those buffers), and reports the high-water mark minus the
@@ -41,6 +48,9 @@
 #include <string>
 #include <vector>
 
+#include <atomic>
+#include <thread>
+
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -55,8 +65,12 @@
 
 #include "actors/sync_coordinator.hpp"
 #include "runtime/bootstrap.hpp"
+#include "runtime/device.hpp"
 #include "runtime/process.hpp"
 #include "runtime/soak.hpp"
+#if REFIT_HAVE_CUDA
+#include "runtime/cuda/cuda.hpp"
+#endif
 
 namespace {
 
@@ -141,6 +155,45 @@ struct peak_probe {
   }
 };
 
+// Largest drop of free device memory on any of `ordinals` while it runs (GPU builds).
+class device_memory_probe {
+public:
+  explicit device_memory_probe(std::vector<int> ordinals) : ordinals_(std::move(ordinals)) {
+#if REFIT_HAVE_CUDA
+    for (int d : ordinals_)
+      base_.push_back(refit::cuda::free_bytes(d));
+    peak_.assign(ordinals_.size(), 0);
+    thread_ = std::thread([this] {
+      while (!stop_) {
+        for (std::size_t i = 0; i < ordinals_.size(); ++i) {
+          const std::uint64_t free = refit::cuda::free_bytes(ordinals_[i]);
+          if (free < base_[i])
+            peak_[i] = std::max(peak_[i], base_[i] - free);
+        }
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+      }
+    });
+#endif
+  }
+  ~device_memory_probe() { finish(); }
+  std::uint64_t finish() {
+    stop_ = true;
+    if (thread_.joinable())
+      thread_.join();
+    std::uint64_t worst = 0;
+    for (auto p : peak_)
+      worst = std::max(worst, p);
+    return worst;
+  }
+
+private:
+  std::vector<int> ordinals_;
+  std::vector<std::uint64_t> base_;
+  std::vector<std::uint64_t> peak_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
 // ------------------------------------------------------------------------ memcpy bound
 
 struct mapping {
@@ -213,6 +266,7 @@ struct iteration_result {
   double wall_seconds = 0; // publish request -> answer (includes prepare, release, final)
   std::optional<std::uint64_t> trainer_extra;
   std::optional<std::uint64_t> runtime_extra;
+  std::optional<std::uint64_t> device_extra; // GPU publications
 };
 
 class bench {
@@ -277,11 +331,16 @@ private:
     peak_probe trainer, runtime;
     trainer.arm(::getpid());
     runtime.arm(runtime_pid());
+    std::optional<device_memory_probe> device_probe;
+    if (on_gpu())
+      device_probe.emplace(trainer_ordinals());
     auto t0 = std::chrono::steady_clock::now();
     it.res = ask<refit::publication_result>("publication of " + v, coordinator,
                                             caf::timespan{60min}, refit::publish_atom::value,
                                             version);
     it.wall_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (device_probe)
+      it.device_extra = device_probe->finish();
     it.trainer_extra = trainer.peak_extra();
     it.runtime_extra = runtime.peak_extra();
     engine_cmd("wake(kv_cache) after " + v, refit::wake_atom::value,
@@ -292,6 +351,16 @@ private:
   void start();
   void stop();
 
+  bool on_gpu() const { return cfg_.publication.transport == "cuda_ipc"; }
+  // CUDA ordinals of the trainer ranks (colocated: the runtime's devices unless trainer.devices).
+  std::vector<int> trainer_ordinals() const {
+    std::vector<int> out;
+    const auto& list = cfg_.trainer.devices.empty() ? cfg_.runtime.devices : cfg_.trainer.devices;
+    for (const auto& d : list)
+      out.push_back(refit::device::parse(d, "trainer device").index);
+    return out;
+  }
+
   options opts_;
   refit::config::refit_config cfg_;
   std::string runtime_exe_;
@@ -301,6 +370,7 @@ private:
   refit::publication_handles pub_;
   refit::sync_coordinator_actor verifier_;
   bool started_ = false;
+  std::vector<double> nccl_bound_; // GPU: NCCL all-gather bound samples (seconds)
 };
 
 void bench::start() {
@@ -353,9 +423,11 @@ json bench::run() {
       if (v > 1)
         step_all(v);
       runs.push_back(publish(pub_.coordinator, v));
-      if (!bound)
-        bound = std::make_unique<memcpy_bound>(runs.front().res.bytes);
-      bound->sample(opts_.bound_reps);
+      if (!on_gpu()) {
+        if (!bound)
+          bound = std::make_unique<memcpy_bound>(runs.front().res.bytes);
+        bound->sample(opts_.bound_reps);
+      }
       if (!opts_.as_json) {
         const auto& r = runs.back().res;
         std::fprintf(stderr, "%s: version %llu: %.3f s (%.2f GB/s)\n", program,
@@ -381,6 +453,18 @@ json bench::run() {
         verify_error = e.what();
       }
     }
+#if REFIT_HAVE_CUDA
+    if (on_gpu()) {
+      // The NCCL bound, with the runtime and ranks still holding their memory (as during the
+      // publications): the same output bytes per rank, in `chunks` equal all-gathers.
+      for (unsigned i = 0; i < opts_.bound_reps; ++i)
+        nccl_bound_.push_back(refit::cuda::allgather_seconds(
+          trainer_ordinals(), runs.front().res.bytes, runs.front().res.chunks));
+    }
+#else
+    if (on_gpu())
+      throw bench_error("transport cuda_ipc needs a refit-bench built with REFIT_CUDA=ON");
+#endif
   } catch (...) {
     stop();
     throw;
@@ -392,7 +476,7 @@ json bench::run() {
   for (const auto& r : runs)
     seconds_all.push_back(r.res.seconds);
   const double seconds = median(seconds_all);
-  const std::vector<double> bound_all = bound->seconds();
+  const std::vector<double> bound_all = on_gpu() ? nccl_bound_ : bound->seconds();
   bound.reset();
   const double bound_seconds = median(bound_all);
   const double gbps = first.bytes / seconds / 1e9;
@@ -430,11 +514,17 @@ json bench::run() {
   out["gbps"] = gbps;
   out["bound_gbps"] = bound_gbps;
   out["ratio"] = gbps / bound_gbps;
-  out["bound_method"] = "median of " + std::to_string(bound_all.size())
-                        + " plain single-threaded std::memcpy calls of `bytes` bytes between "
-                          "two pre-faulted, warmed buffers (one untimed warm-up copy), "
-                        + std::to_string(opts_.bound_reps)
-                        + " right after each timed publication, in this process";
+  out["bound_method"]
+    = on_gpu()
+        ? "median of " + std::to_string(bound_all.size())
+            + " NCCL all-gathers of `bytes` output bytes per rank among the trainer ranks' GPUs "
+              "(one communicator per GPU in this process, as `chunks` equal grouped "
+              "all-gathers, one untimed warm-up), measured after the timed publications"
+        : "median of " + std::to_string(bound_all.size())
+            + " plain single-threaded std::memcpy calls of `bytes` bytes between "
+              "two pre-faulted, warmed buffers (one untimed warm-up copy), "
+            + std::to_string(opts_.bound_reps)
+            + " right after each timed publication, in this process";
   out["bound_seconds"] = bound_seconds;
   out["bound_seconds_all"] = bound_all;
   out["bound_best_gbps"]
@@ -467,6 +557,26 @@ json bench::run() {
     {"planned_packed_buffer_bytes", planned_buffers},
     {"peak_buffer_bytes_per_rank", first.peak_buffer_bytes},
   };
+  if (on_gpu()) {
+    std::uint64_t worst = 0;
+    json all = json::array();
+    for (const auto& r : runs) {
+      worst = std::max(worst, r.device_extra.value_or(0));
+      all.push_back(opt(r.device_extra));
+    }
+    std::uint64_t largest = 0;
+    for (const auto& p : refit::model::expected_key_stream(cfg_.model))
+      largest = std::max<std::uint64_t>(largest, p.nbytes());
+    out["peak_extra_device_bytes"] = worst;
+    out["peak_extra_device_bytes_all"] = all;
+    out["peak_extra_device_bar_bytes"]
+      = cfg_.publication.buffer_count * cfg_.publication.buffer_bytes + largest + (1ull << 30);
+    out["peak_extra_device_method"]
+      = "max over the timed publications and the trainer GPUs of (cudaMemGetInfo free bytes "
+        "just before publish(v)) - (lowest free bytes sampled every 100 us during it); "
+        "device-wide, so it includes the runtime child's allocations";
+    out["largest_tensor_bytes"] = largest;
+  }
   if (opts_.verify) {
     const bool committed = verify_run.has_value();
     bool checksums = committed && !verify_run->res.receipts.empty();
@@ -524,8 +634,12 @@ void print_table(const json& r) {
   std::printf("\n");
   std::printf("  median             %.3f s  ->  %.2f GB/s\n", r["seconds"].get<double>(),
               r["gbps"].get<double>());
-  std::printf("  memcpy bound       %.3f s  ->  %.2f GB/s (%s)\n",
+  std::printf("  %s %.3f s  ->  %.2f GB/s (%s)\n",
+              r["transport"] == "cuda_ipc" ? "all-gather bound  " : "memcpy bound      ",
               r["bound_seconds"].get<double>(), r["bound_gbps"].get<double>(), "median");
+  if (r.contains("peak_extra_device_bytes"))
+    std::printf("  peak extra device  %s (bar: %s)\n", mib(r["peak_extra_device_bytes"]).c_str(),
+                mib(r["peak_extra_device_bar_bytes"]).c_str());
   std::printf("  ratio              %.3f\n", r["ratio"].get<double>());
   std::printf("  peak extra memory  %s (trainer process %s, runtime process %s; planned "
               "packed buffers %s)\n",

@@ -80,6 +80,7 @@ publication_handles spawn_publication(caf::actor_system& sys, const config::refi
     o.rank = r;
     o.world = world;
     o.device = cfg.trainer.devices.empty() ? cfg.runtime.devices[r] : cfg.trainer.devices[r];
+    o.device_uuid = publication::device_uuid(rank_devices[r]);
     o.model = cfg.model;
     o.weights = weights;
     for (const auto& f : cfg.trainer.faults)

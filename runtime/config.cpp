@@ -617,6 +617,22 @@ void validate_config(const refit_config& cfg, const locator& locate) {
   check_at_least("publication.buffer_bytes", pc.buffer_bytes, 4096);
   check_range("publication.buffer_count", pc.buffer_count, 2, 16);
   check_one_of("publication.transport", pc.transport, {"shm", "cuda_ipc"});
+  // The transport follows the devices: memfd buffers between CPU devices, CUDA IPC between
+  // GPUs; trainer ranks and TP workers share their devices (same kind on both sides).
+  {
+    const bool want_cuda = pc.transport == "cuda_ipc";
+    for (std::size_t i = 0; i < devices.size(); ++i)
+      if ((devices[i].k == device::kind::cuda) != want_cuda)
+        fail("publication.transport",
+             "transport '" + pc.transport + "' needs " + (want_cuda ? "cuda:N" : "cpu:N")
+               + " devices, but runtime.devices[" + std::to_string(i) + "] is '"
+               + rt.devices[i] + "' (use '" + (want_cuda ? "shm" : "cuda_ipc") + "')");
+    for (std::size_t i = 0; i < tr.devices.size(); ++i)
+      if ((device::parse(tr.devices[i], "trainer.devices").k == device::kind::cuda) != want_cuda)
+        fail(index_path("trainer.devices", i),
+             "'" + tr.devices[i] + "' is not the device kind publication.transport '"
+               + pc.transport + "' connects");
+  }
   check_range("publication.gate_deadline_ms", pc.gate_deadline_ms, timeout_min_ms,
               timeout_max_ms);
   check_range("publication.republish_attempts", pc.republish_attempts, 0, 10);
@@ -667,6 +683,10 @@ refit_config parse_yaml(const std::string& text, const std::string& origin) {
        read_publication(r, v, p, cfg.publication); }},
     {"job", [&](const YAML::Node& v, const std::string& p) { read_job(r, v, p, cfg.job); }},
   });
+  const YAML::Node pub = root["publication"];
+  if ((!pub || !pub.IsMap() || !pub["transport"]) && !cfg.runtime.devices.empty()
+      && cfg.runtime.devices.front().rfind("cuda:", 0) == 0)
+    cfg.publication.transport = "cuda_ipc";
   validate_config(cfg, [&r](const std::string& key) { return r.locate(key); });
   return cfg;
 }

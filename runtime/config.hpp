@@ -87,7 +87,9 @@ struct trainer_config {
 struct publication_config {
   std::uint64_t buffer_bytes = 4u << 20;    // one packed buffer per rank
   std::uint32_t buffer_count = 2;
-  std::string transport = "shm";            // shm (host) | cuda_ipc (GPU build)
+  // shm (memfd, CPU devices) | cuda_ipc (CUDA IPC, GPUs). Left out of a YAML file, it
+  // follows runtime.devices[0]'s kind.
+  std::string transport = "shm";
   bool verify = false;                      // byte-exact verifier after commit
   std::uint32_t gate_deadline_ms = 30000;   // a rank missing a phase by then fails it
   std::uint64_t memory_headroom_bytes = 64u << 20;

@@ -123,6 +123,8 @@ runtime_description from_proto(const pb::DescribeResult& x) {
     wi.weight_bytes_offloaded = w.weight_bytes_offloaded();
     wi.device_free_bytes = w.device_free_bytes();
     wi.resident_tensor_count = w.resident_tensor_count();
+    wi.producer_buffers_open = w.producer_buffers_open();
+    wi.producer_buffers_opened = w.producer_buffers_opened();
     d.workers.push_back(std::move(wi));
   }
   d.sleep_level = x.sleep_level();

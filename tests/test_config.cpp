@@ -518,3 +518,16 @@ TEST(ConfigFiles, ParseErrorsNameTheFile) {
 }
 
 } // namespace
+
+TEST(ConfigTransport, FollowsTheDevicesWhenLeftOutAndMustMatchThemWhenGiven) {
+  const auto gpu = config::parse_yaml(tiny_model + "runtime: {tp_size: 2, devices: [cuda:1, cuda:0]}\n");
+  EXPECT_EQ(gpu.publication.transport, "cuda_ipc");
+  const auto cpu = config::parse_yaml(tiny_model);
+  EXPECT_EQ(cpu.publication.transport, "shm");
+  expect_error(tiny_model + "runtime: {tp_size: 1, devices: [cuda:0]}\n"
+                            "publication: {transport: shm}\n",
+               "publication.transport",
+               "transport 'shm' needs cpu:N devices, but runtime.devices[0] is 'cuda:0'");
+  expect_error(tiny_model + "publication: {transport: cuda_ipc}\n", "publication.transport",
+               "transport 'cuda_ipc' needs cuda:N devices, but runtime.devices[0] is 'cpu:0'");
+}

@@ -90,10 +90,19 @@ public:
     return out;
   }
 
+  const std::byte* synthetic_canonical(const model::param_meta& p,
+                                       const model::synthetic_weights& w,
+                                       std::uint64_t step) override {
+    scratch_.resize(p.nbytes());
+    model::fill_synthetic(p, w, step, 0, p.numel(), scratch_.data());
+    return scratch_.data();
+  }
+
 private:
   void free(std::byte* data, std::uint64_t bytes) noexcept override { ::munmap(data, bytes); }
 
   std::uint64_t page_bytes_;
+  std::vector<std::byte> scratch_; // synthetic_canonical
 };
 
 } // namespace

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "runtime/device.hpp"
+#include "runtime/model/qwen3_moe.hpp"
 
 namespace refit::child {
 
@@ -125,6 +126,12 @@ public:
   virtual void synchronize() = 0;
   // Element digests (runtime/model/digest.hpp) of `tensors`, computed where they live.
   virtual std::vector<std::uint64_t> digests(const std::vector<digest_input>& tensors) = 0;
+  // The canonical tensor `p` of synthetic weights `w` at `step`, generated where copy_rows
+  // reads from (host scratch on CPU devices, device scratch filled by a kernel on GPUs);
+  // valid until the next call.
+  virtual const std::byte* synthetic_canonical(const model::param_meta& p,
+                                               const model::synthetic_weights& w,
+                                               std::uint64_t step) = 0;
 
   const device::spec& device() const { return device_; }
 

@@ -106,6 +106,17 @@ public:
     return stream_.digests(descs);
   }
 
+  const std::byte* synthetic_canonical(const model::param_meta& p,
+                                       const model::synthetic_weights& w,
+                                       std::uint64_t step) override {
+    synchronize(); // queued copies may still read the previous tensor from the scratch
+    if (scratch_.size() < p.nbytes())
+      scratch_ = cuda::device_allocation(device().index, std::max<std::uint64_t>(p.nbytes(), 1 << 20),
+                                         "synthetic checkpoint scratch");
+    cuda::fill_synthetic(device().index, p, w, step, 0, p.numel(), scratch_.data());
+    return scratch_.data();
+  }
+
 private:
   static constexpr std::uint64_t staging_bytes = 64ull << 20;
 
@@ -129,6 +140,7 @@ private:
   const std::string uuid_;
   cuda::stream stream_;
   std::vector<cuda::copy_desc> pending_; // copy_rows since the last flush
+  cuda::device_allocation scratch_;      // synthetic_canonical
   std::mutex mtx_;
   std::map<std::byte*, cuda::device_allocation> live_;
 };

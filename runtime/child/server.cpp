@@ -225,7 +225,13 @@ void server::load_checkpoint() {
   model::synthetic_weights synthetic;
   synthetic.seed = options_.seed;
   synthetic.init_scale = options_.init_scale;
-  for (const auto& param : model::expected_key_stream(options_.model)) {
+  const auto params = model::expected_key_stream(options_.model);
+  if (workers_.front()->device_kind() == device::kind::cuda) {
+    // Each GPU worker generates every canonical tensor on its own device and slices it there.
+    on_all_workers(workers_, [&](worker& w) { w.load_synthetic(params, synthetic); });
+    return;
+  }
+  for (const auto& param : params) {
     std::vector<std::byte> canonical(param.nbytes());
     model::fill_synthetic(param, synthetic, 0, 0, param.numel(), canonical.data());
     on_all_workers(workers_, [&](worker& w) { w.load_tensor(param, canonical.data()); });
@@ -489,6 +495,8 @@ pb::DescribeResult server::describe() {
     info->set_weight_bytes_offloaded(r.weight_bytes_offloaded);
     info->set_device_free_bytes(r.device_free_bytes);
     info->set_resident_tensor_count(weights_valid_ ? r.resident_tensors : 0);
+    info->set_producer_buffers_open(r.producer_buffers_open);
+    info->set_producer_buffers_opened(r.producer_buffers_opened);
     weights_awake = weights_awake && r.weights_resident;
     kv_cache_awake = kv_cache_awake && r.kv_cache_resident;
   }

@@ -12,6 +12,7 @@ namespace refit::child {
 namespace {
 
 constexpr const char* host_transport = "shm";
+constexpr const char* cuda_transport = "cuda_ipc";
 
 std::string quoted(const std::string& text) { return "'" + text + "'"; }
 
@@ -87,10 +88,13 @@ pb::InitWeightTransferResult weight_transfer::init(const pb::InitWeightTransferR
     throw invalid_state("init_weight_transfer",
                         "init_weight_transfer was already called (transport "
                           + quoted(session_->transport) + "); release_ipc first");
-  if (request.transport() != host_transport)
+  const bool on_cuda = workers_.front()->device_kind() == device::kind::cuda;
+  const char* transport = on_cuda ? cuda_transport : host_transport;
+  if (request.transport() != transport)
     throw command_error(pb::ERROR_CODE_INVALID_ARGUMENT, "init_weight_transfer.transport",
-                        "transport " + quoted(request.transport())
-                          + " is not supported: only \"shm\" in this CPU build");
+                        "transport " + quoted(request.transport()) + " is not supported: TP "
+                          "workers on " + (on_cuda ? "CUDA" : "CPU") + " devices take "
+                          + quoted(transport));
   if (request.buffer_bytes() == 0)
     throw command_error(pb::ERROR_CODE_INVALID_ARGUMENT, "init_weight_transfer.buffer_bytes",
                         "buffer_bytes must be > 0");

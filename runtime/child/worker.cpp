@@ -111,6 +111,13 @@ void worker::load_tensor(const model::param_meta& p, const std::byte* canonical)
 
 void worker::finish_loads() { memory_->synchronize(); }
 
+void worker::load_synthetic(const std::vector<model::param_meta>& params,
+                            const model::synthetic_weights& w) {
+  for (const auto& p : params)
+    load_tensor(p, memory_->synthetic_canonical(p, w, 0));
+  finish_loads();
+}
+
 void worker::offload_weights() {
   if (!weights_)
     return; // already offloaded (or dropped)
@@ -140,9 +147,19 @@ std::vector<inference::generation> worker::generate(const model::model_config& c
   if (!kv_cache_)
     throw std::logic_error("worker " + std::to_string(rank_)
                            + ": cannot generate without a KV cache");
-  if (!engine_)
+  if (!engine_) {
+    inference::engine_options o = options;
+    if (memory_->device().k == device::kind::cuda) {
+      // The forward runs on this worker's GPU over its resident weights and KV arena.
+      o.cuda_device = memory_->device().index;
+      o.copy_kv_block = [this](std::byte* dst, const std::byte* src, std::uint64_t n) {
+        memory_->copy_rows(dst, n, src, n, n, 1);
+        memory_->synchronize();
+      };
+    }
     engine_ = std::make_unique<inference::engine>(cfg, layout_, rank_, kv_cache_.data(),
-                                                  kv_cache_.size(), options);
+                                                  kv_cache_.size(), o);
+  }
   const std::vector<const std::byte*> residents(resident_ptrs_.begin(), resident_ptrs_.end());
   return engine_->generate(residents, comm, input, weights_version, stats);
 }
@@ -181,6 +198,8 @@ worker_report worker::report() const {
   r.weight_bytes_offloaded = weights_backup_.size();
   r.device_free_bytes = memory_->free_bytes();
   r.resident_tensors = weights_ ? resident_ptrs_.size() : 0;
+  r.producer_buffers_open = static_cast<std::uint32_t>(mappings_.size());
+  r.producer_buffers_opened = mappings_opened_;
   return r;
 }
 
@@ -211,7 +230,9 @@ const producer_view& worker::map_buffer(const std::string& handle, std::uint64_t
   if (mappings_.count(handle) != 0)
     throw std::logic_error("worker " + std::to_string(rank_) + ": buffer " + handle
                            + " is mapped already");
-  return *mappings_.emplace(handle, memory_->open_producer(handle, size)).first->second;
+  auto& view = *mappings_.emplace(handle, memory_->open_producer(handle, size)).first->second;
+  ++mappings_opened_;
+  return view;
 }
 
 std::uint32_t worker::unmap_buffers() {

@@ -40,6 +40,8 @@ struct worker_report {
   std::uint64_t weight_bytes_offloaded = 0;
   std::uint64_t device_free_bytes = 0;
   std::uint64_t resident_tensors = 0; // tensors in resident weight storage (0 if not resident)
+  std::uint32_t producer_buffers_open = 0;
+  std::uint64_t producer_buffers_opened = 0;
 };
 
 // How wake_weights found or made the weight storage.
@@ -61,6 +63,7 @@ public:
   std::uint32_t rank() const { return rank_; }
   // Physical identity of the worker's device (fixed at construction; any thread).
   const std::string& device_uuid() const { return device_uuid_; }
+  device::kind device_kind() const { return memory_->device().k; }
 
   // ---- worker thread only ----
   // Allocates zero-filled weight storage unless it is resident.
@@ -103,6 +106,10 @@ public:
   const producer_view& map_buffer(const std::string& handle, std::uint64_t size);
   // Waits for every load_tensor copy issued so far (the producer may then rewrite the buffer).
   void finish_loads();
+  // Loads every tensor of `params` from synthetic weights `w` (step 0), generated on this
+  // worker's device; returns when the copies finished.
+  void load_synthetic(const std::vector<model::param_meta>& params,
+                      const model::synthetic_weights& w);
   std::size_t mapped_buffer_count() const { return mappings_.size(); }
   // Unmaps every producer buffer; returns how many were mapped.
   std::uint32_t unmap_buffers();
@@ -126,6 +133,7 @@ private:
   std::unique_ptr<inference::engine> engine_; // over kv_cache_; reset before it
   host_backup weights_backup_;
   std::map<std::string, std::unique_ptr<producer_view>> mappings_; // by handle string
+  std::uint64_t mappings_opened_ = 0;
 
   std::mutex mutex_;
   std::condition_variable wakeup_;

@@ -99,6 +99,10 @@ struct rank_forward_options {
   bool cache_fp32_weights = true;
   // LibTorch intra-op threads of the calling thread (0: leave as is).
   int compute_threads = 0;
+  // >= 0: the weights and the KV arena are in the memory of CUDA device `cuda_device` and the
+  // forward runs there (a LibTorch with CUDA is needed); collectives and the returned logits
+  // go through host memory. -1: CPU.
+  int cuda_device = -1;
 };
 
 class rank_forward {
@@ -121,7 +125,7 @@ std::unique_ptr<rank_forward> make_rank_forward(const rank_forward_options& opti
 std::string loaded_backend_path();
 
 // ABI handshake between make_rank_forward and the module.
-constexpr std::uint32_t backend_abi_version = 1;
+constexpr std::uint32_t backend_abi_version = 2;
 struct backend_entry {
   std::uint32_t abi_version;
   std::size_t options_size; // sizeof(rank_forward_options) in the module

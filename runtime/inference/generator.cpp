@@ -194,6 +194,7 @@ std::vector<generation> engine::generate(const std::vector<const std::byte*>& re
   fo.kv = kv_;
   fo.cache_fp32_weights = layout_->resident_bytes() <= options_.fp32_cache_limit_bytes;
   fo.compute_threads = options_.compute_threads;
+  fo.cuda_device = options_.cuda_device;
   const std::unique_ptr<rank_forward> model = make_rank_forward(fo);
 
   std::vector<generation> results(plan.prompts.size() * n);
@@ -259,8 +260,12 @@ std::vector<generation> engine::generate(const std::vector<const std::byte*>& re
           if (prompt.blocks.size() > full) { // private copy of the partial block
             const std::uint32_t copy = pool_.allocate();
             s.blocks.push_back(copy);
-            std::memcpy(arena_ + copy * kv_.block_bytes(),
-                        arena_ + prompt.blocks[full] * kv_.block_bytes(), kv_.block_bytes());
+            std::byte* dst = arena_ + copy * kv_.block_bytes();
+            const std::byte* src = arena_ + prompt.blocks[full] * kv_.block_bytes();
+            if (options_.copy_kv_block)
+              options_.copy_kv_block(dst, src, kv_.block_bytes());
+            else
+              std::memcpy(dst, src, kv_.block_bytes());
           }
         } else {
           s.blocks = std::move(prompt.blocks);

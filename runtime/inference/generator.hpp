@@ -20,6 +20,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -96,6 +97,10 @@ struct engine_options {
   // Keep fp32 conversions of the weights during one request when the rank's residents are at
   // most this large (else convert on every use).
   std::uint64_t fp32_cache_limit_bytes = std::uint64_t{1} << 30;
+  // >= 0: weights and KV arena live on this CUDA device (rank_forward_options::cuda_device).
+  int cuda_device = -1;
+  // Copies one KV block inside the arena (dst, src, bytes); empty: std::memcpy (host arena).
+  std::function<void(std::byte*, const std::byte*, std::uint64_t)> copy_kv_block;
 };
 
 class engine {

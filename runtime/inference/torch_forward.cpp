@@ -5,6 +5,7 @@
 // the rank_forward object, i.e. one request).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/InferenceMode.h>
 
 #include <algorithm>
@@ -49,7 +50,10 @@ public:
       vocab_rows_((std::int64_t{cfg_.vocab_size} + o.tp - 1) / o.tp),
       first_vocab_(vocab_rows_ * o.rank),
       elem_(element_size(o.weights.dt)),
-      scalar_(scalar_type_of(o.weights.dt)) {
+      scalar_(scalar_type_of(o.weights.dt)),
+      device_(o.cuda_device >= 0 ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(o.cuda_device))
+                                 : at::Device(at::kCPU)),
+      f32_(at::TensorOptions().dtype(at::kFloat).device(device_)) {
     if (head_dim_ % 2 != 0)
       throw std::invalid_argument("torch_forward: head_dim " + std::to_string(head_dim_)
                                   + " must be even for RoPE");
@@ -70,6 +74,7 @@ public:
                              logits_rows rows) override {
     configure_threads();
     c10::InferenceMode inference_mode;
+    c10::DeviceGuard device_guard(device_);
     if (items.empty())
       throw std::invalid_argument("forward: no items");
 
@@ -117,7 +122,7 @@ public:
       k = rope(rms_norm(k, weight(lw.k_norm, {head_dim_})), cos, sin).contiguous();
       write_kv(items, offsets, kv_base, layer, k, v);
 
-      at::Tensor attn = at::empty({n, q_heads_ * head_dim_}, at::kFloat);
+      at::Tensor attn = at::empty({n, q_heads_ * head_dim_}, f32_);
       for (std::size_t i = 0; i < items.size(); ++i)
         attend(items[i], kv_base, layer, q.narrow(0, offsets[i], items[i].count),
                attn.narrow(0, offsets[i], items[i].count));
@@ -143,10 +148,11 @@ public:
         picked.push_back(t);
     }
     const auto r = static_cast<std::int64_t>(picked.size());
-    at::Tensor index = at::from_blob(picked.data(), {r}, at::kLong);
+    at::Tensor index = at::from_blob(picked.data(), {r}, at::kLong).to(device_);
     at::Tensor xf = rms_norm(x.index_select(0, index), weight(o_.weights.final_norm, {hidden_}));
     at::Tensor local = at::matmul(xf, weight(o_.weights.lm_head, {vocab_rows_, hidden_}).t())
-                         .contiguous();
+                         .contiguous()
+                         .cpu(); // the TP all-gather and sampling run on the host
     at::Tensor gathered = at::empty({static_cast<std::int64_t>(o_.tp), r, vocab_rows_}, at::kFloat);
     o_.comm->all_gather(o_.rank, local.data_ptr<float>(), static_cast<std::size_t>(local.numel()),
                         gathered.data_ptr<float>());
@@ -167,22 +173,30 @@ private:
     }
   }
 
-  // In-place sum over the TP group of a contiguous fp32 tensor.
+  // In-place sum over the TP group of a contiguous fp32 tensor (through host memory when the
+  // tensor is on a GPU: tp_comm connects the worker threads of one process).
   void all_reduce(at::Tensor& t) const {
-    o_.comm->all_reduce_sum(o_.rank, t.data_ptr<float>(), static_cast<std::size_t>(t.numel()));
+    if (!t.is_cuda()) {
+      o_.comm->all_reduce_sum(o_.rank, t.data_ptr<float>(), static_cast<std::size_t>(t.numel()));
+      return;
+    }
+    at::Tensor host = t.cpu();
+    o_.comm->all_reduce_sum(o_.rank, host.data_ptr<float>(), static_cast<std::size_t>(host.numel()));
+    t.copy_(host);
   }
 
   // fp32 view or conversion of a resident tensor (or a slice of one).
   at::Tensor weight(const std::byte* p, at::IntArrayRef shape) {
     auto* data = const_cast<std::byte*>(p); // never written
     if (scalar_ == at::kFloat)
-      return at::from_blob(data, shape, at::kFloat);
+      return at::from_blob(data, shape, f32_);
     if (o_.cache_fp32_weights) {
       auto found = cache_.find(p);
       if (found != cache_.end())
         return found->second;
     }
-    at::Tensor converted = at::from_blob(data, shape, scalar_).to(at::kFloat);
+    at::Tensor converted
+      = at::from_blob(data, shape, at::TensorOptions().dtype(scalar_).device(device_)).to(at::kFloat);
     if (o_.cache_fp32_weights)
       cache_.emplace(p, converted);
     return converted;
@@ -196,13 +210,13 @@ private:
   // Vocab-split lookup: rows of this rank, zeros elsewhere, summed over ranks.
   at::Tensor embed(const std::vector<std::int32_t>& tokens) {
     const auto n = static_cast<std::int64_t>(tokens.size());
-    at::Tensor x = at::zeros({n, hidden_}, at::kFloat);
+    at::Tensor x = at::zeros({n, hidden_}, f32_);
     for (std::int64_t t = 0; t < n; ++t) {
       const std::int64_t row = tokens[static_cast<std::size_t>(t)] - first_vocab_;
       if (row < 0 || row >= vocab_rows_)
         continue;
       auto* src = const_cast<std::byte*>(o_.weights.embed) + row * hidden_ * elem_;
-      x[t].copy_(at::from_blob(src, {hidden_}, scalar_));
+      x[t].copy_(at::from_blob(src, {hidden_}, at::TensorOptions().dtype(scalar_).device(device_)));
     }
     all_reduce(x);
     return x;
@@ -224,7 +238,7 @@ private:
         s[t * half + i] = static_cast<float>(std::sin(static_cast<double>(angle)));
       }
     }
-    return {cos, sin};
+    return {cos.to(device_), sin.to(device_)};
   }
 
   // HF rotate_half: [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin].
@@ -247,6 +261,23 @@ private:
   void write_kv(const std::vector<forward_item>& items, const std::vector<std::int64_t>& offsets,
                 std::byte* kv_base, std::uint32_t layer, const at::Tensor& k,
                 const at::Tensor& v) const {
+    if (k.is_cuda()) {
+      // One device copy per (token, head) slot, as views of the arena.
+      for (std::size_t i = 0; i < items.size(); ++i) {
+        const forward_item& item = items[i];
+        for (std::uint32_t t = 0; t < item.count; ++t) {
+          const std::int64_t row = offsets[i] + t;
+          const std::int64_t position = std::int64_t{item.position} + t;
+          for (std::int64_t head = 0; head < kv_heads_; ++head) {
+            at::from_blob(kv_slot(kv_base, item, layer, 0, position, head), {head_dim_}, f32_)
+              .copy_(k[row][head]);
+            at::from_blob(kv_slot(kv_base, item, layer, 1, position, head), {head_dim_}, f32_)
+              .copy_(v[row][head]);
+          }
+        }
+      }
+      return;
+    }
     const float* kd = k.data_ptr<float>();
     const float* vd = v.data_ptr<float>();
     const std::size_t bytes = static_cast<std::size_t>(head_dim_) * sizeof(float);
@@ -274,7 +305,7 @@ private:
     for (std::int64_t b = 0; b < blocks; ++b) {
       std::byte* base = kv_base + std::uint64_t{item.block_table[b]} * o_.kv.block_bytes()
                         + o_.kv.part_offset(layer, kind);
-      parts.push_back(at::from_blob(base, {kv_heads_, block_size, head_dim_}, at::kFloat));
+      parts.push_back(at::from_blob(base, {kv_heads_, block_size, head_dim_}, f32_));
     }
     return at::cat(parts, 1).narrow(1, 0, length);
   }
@@ -295,9 +326,10 @@ private:
     at::Tensor scores = at::matmul(queries, keys.transpose(1, 2))
                         * (1.0 / std::sqrt(static_cast<double>(head_dim_)));
     if (count > 1) {
-      const at::Tensor key_pos = at::arange(length, at::kLong).view({1, length});
+      const auto longs = at::TensorOptions().dtype(at::kLong).device(device_);
+      const at::Tensor key_pos = at::arange(length, longs).view({1, length});
       const at::Tensor query_pos =
-        at::arange(std::int64_t{item.position}, length, at::kLong).view({count, 1});
+        at::arange(std::int64_t{item.position}, length, longs).view({count, 1});
       scores.masked_fill_(key_pos > query_pos, -std::numeric_limits<float>::infinity());
     }
     const at::Tensor probs = at::softmax(scores, -1);
@@ -313,10 +345,10 @@ private:
     const at::Tensor router_probs = at::softmax(router_logits, -1);
     auto top = at::topk(router_probs, top_k, -1);
     at::Tensor top_weights = std::get<0>(top);
-    const at::Tensor top_index = std::get<1>(top).contiguous();
+    const at::Tensor top_index = std::get<1>(top).contiguous().cpu(); // routing on the host
     if (cfg_.norm_topk_prob)
       top_weights = top_weights / top_weights.sum(-1, /*keepdim=*/true);
-    top_weights = top_weights.contiguous();
+    top_weights = top_weights.contiguous().cpu();
 
     std::vector<std::vector<std::int64_t>> rows(static_cast<std::size_t>(experts_));
     std::vector<std::vector<float>> scales(static_cast<std::size_t>(experts_));
@@ -329,7 +361,7 @@ private:
         scales[e].push_back(wts[t * top_k + j]);
       }
 
-    at::Tensor out = at::zeros({n, hidden_}, at::kFloat);
+    at::Tensor out = at::zeros({n, hidden_}, f32_);
     const std::int64_t w13_bytes = 2 * inter_ * hidden_ * elem_;
     const std::int64_t w2_bytes = hidden_ * inter_ * elem_;
     for (std::int64_t e = 0; e < experts_; ++e) {
@@ -337,9 +369,9 @@ private:
       if (r.empty())
         continue;
       const auto m = static_cast<std::int64_t>(r.size());
-      const at::Tensor index = at::from_blob(r.data(), {m}, at::kLong);
+      const at::Tensor index = at::from_blob(r.data(), {m}, at::kLong).to(device_);
       const at::Tensor scale =
-        at::from_blob(scales[static_cast<std::size_t>(e)].data(), {m, 1}, at::kFloat);
+        at::from_blob(scales[static_cast<std::size_t>(e)].data(), {m, 1}, at::kFloat).to(device_);
       const at::Tensor xe = h.index_select(0, index);
       const at::Tensor gate_up =
         at::matmul(xe, weight(lw.w13 + e * w13_bytes, {2 * inter_, hidden_}).t());
@@ -363,6 +395,8 @@ private:
   const std::int64_t first_vocab_;
   const std::int64_t elem_;
   const at::ScalarType scalar_;
+  const at::Device device_;
+  const at::TensorOptions f32_; // fp32 on device_
   std::vector<float> inv_freq_;
   std::unordered_map<const std::byte*, at::Tensor> cache_;
 };

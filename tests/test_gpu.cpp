@@ -1,0 +1,268 @@
+// GPU data plane (REFIT_CUDA builds, CTest label `gpu`, run on the GPU machine): device
+// kernels against their host twins, byte-exact publications over CUDA IPC for TP 1 and 2,
+// UUID-keyed handles with permuted devices, producer buffers closed after release, sleep
+// level 2 returning weight memory to the device, and a failed chunk on one rank poisoning the
+// runtime without a hang.
+#include <algorithm>
+#include <cstring>
+#include <random>
+
+#include "runtime/cuda/cuda.hpp"
+#include "runtime/model/digest.hpp"
+#include "runtime/publication/backend.hpp"
+#include "runtime/publication/shard.hpp"
+#include "publication_fixture.hpp"
+
+namespace refit::testing {
+namespace {
+
+bool have_gpus(int n) { return cuda::device_count() >= n; }
+
+#define REQUIRE_GPUS(n)                                                                      \
+  if (!have_gpus(n))                                                                         \
+  GTEST_SKIP() << "needs " << (n) << " CUDA devices, this process sees " << cuda::device_count()
+
+config::refit_config gpu_config(std::vector<std::string> devices) {
+  auto cfg = tiny_config(static_cast<std::uint32_t>(devices.size()));
+  cfg.runtime.devices = std::move(devices);
+  cfg.publication.transport = "cuda_ipc";
+  config::validate(cfg);
+  return cfg;
+}
+
+std::vector<std::byte> to_host(int ordinal, const std::byte* device, std::uint64_t n) {
+  std::vector<std::byte> out(n);
+  cuda::copy_to_host(ordinal, out.data(), device, n);
+  return out;
+}
+
+// ---------------------------------------------------------------- kernels vs host twins
+
+TEST(GpuKernels, SyntheticWeightsAreBitIdenticalToTheHost) {
+  REQUIRE_GPUS(1);
+  const auto cfg = tiny_config(1);
+  const model::synthetic_weights w{7, 1e-3f, 0.02f};
+  for (const auto& p : model::expected_key_stream(cfg.model)) {
+    const std::uint64_t n = p.numel();
+    cuda::device_allocation dev(0, p.nbytes(), p.name);
+    cuda::fill_synthetic(0, p, w, 0, 0, n, dev.data());
+    for (std::uint64_t step = 1; step <= 2; ++step)
+      cuda::apply_synthetic_step(0, p, w, step, 0, n, dev.data());
+    std::vector<std::byte> host(p.nbytes());
+    model::fill_synthetic(p, w, 2, 0, n, host.data());
+    ASSERT_EQ(to_host(0, dev.data(), p.nbytes()), host) << p.name;
+    // A sub-range starting mid-tensor (a shard) matches too.
+    if (n > 3) {
+      cuda::fill_synthetic(0, p, w, 2, n / 3, n - n / 3, dev.data());
+      std::vector<std::byte> tail(p.nbytes() - n / 3 * model::dtype_size(p.dt));
+      model::fill_synthetic(p, w, 2, n / 3, n - n / 3, tail.data());
+      ASSERT_EQ(to_host(0, dev.data(), tail.size()), tail) << p.name << " from " << n / 3;
+    }
+  }
+}
+
+TEST(GpuKernels, DigestsMatchTheHostAndSeeOneFlippedBit) {
+  REQUIRE_GPUS(1);
+  std::mt19937_64 rng(3);
+  for (std::uint32_t es : {2u, 4u}) {
+    const std::uint64_t bytes = (1u << 20) + 6 * es; // not a multiple of a unit
+    std::vector<std::byte> host(bytes);
+    for (auto& b : host)
+      b = static_cast<std::byte>(rng());
+    cuda::device_allocation dev(0, bytes, "digest input");
+    cuda::copy_to_device(0, dev.data(), host.data(), bytes);
+    cuda::stream s(0);
+    auto got = s.digests({{dev.data(), bytes / es, es}, {nullptr, bytes / es, es}});
+    EXPECT_EQ(got[0], model::element_digest(host.data(), bytes, es));
+    EXPECT_EQ(got[1], model::zero_digest(bytes / es));
+    host[bytes / 2] ^= std::byte{1};
+    cuda::copy_to_device(0, dev.data(), host.data(), bytes);
+    auto flipped = s.digests({{dev.data(), bytes / es, es}});
+    EXPECT_NE(flipped[0], got[0]);
+    EXPECT_EQ(flipped[0], model::element_digest(host.data(), bytes, es));
+  }
+}
+
+TEST(GpuKernels, BatchedCopiesMatchStridedHostCopies) {
+  REQUIRE_GPUS(1);
+  const std::uint64_t n = 1 << 20;
+  std::vector<std::byte> src(n);
+  for (std::uint64_t i = 0; i < n; ++i)
+    src[i] = static_cast<std::byte>(i * 131 + 7);
+  cuda::device_allocation dsrc(0, n, "copy source"), ddst(0, n, "copy destination");
+  cuda::copy_to_device(0, dsrc.data(), src.data(), n);
+  // Aligned 16-byte rows, odd 2-byte rows and a byte-granular copy, in one launch.
+  std::vector<cuda::copy_desc> copies = {
+    {dsrc.data(), ddst.data(), 4096, 2048, 1024, 100},
+    {dsrc.data() + 2, ddst.data() + 300000, 1000, 998, 998, 50},
+    {dsrc.data() + 1, ddst.data() + 500001, 0, 0, 333333, 1},
+  };
+  cuda::stream s(0);
+  s.copy_batch(copies);
+  s.synchronize();
+  std::vector<std::byte> want(n, std::byte{0});
+  for (const auto& c : copies)
+    for (std::uint64_t r = 0; r < c.rows; ++r)
+      std::memcpy(want.data() + (c.dst - ddst.data()) + r * c.dst_stride,
+                  src.data() + (c.src - dsrc.data()) + r * c.src_stride, c.row_bytes);
+  EXPECT_EQ(to_host(0, ddst.data(), n), want);
+}
+
+TEST(GpuKernels, ExpectedResidentDigestsMatchTheHostVerifier) {
+  REQUIRE_GPUS(1);
+  const auto cfg = tiny_config(1);
+  const model::synthetic_weights w{11, 1e-3f, 0.02f};
+  for (std::uint32_t tp : {1u, 2u, 4u}) {
+    auto host = publication::expected_resident_digests(cfg.model, tp, w, 3);
+    auto dev = publication::expected_resident_digests(cfg.model, tp, w, 3,
+                                                      device::spec{device::kind::cuda, 0});
+    EXPECT_EQ(dev, host) << "tp " << tp;
+  }
+}
+
+TEST(GpuKernels, DeviceShardsEqualHostShards) {
+  REQUIRE_GPUS(1);
+  const auto cfg = tiny_config(2);
+  const model::synthetic_weights w{5, 1e-3f, 0.02f};
+  auto params = model::expected_key_stream(cfg.model);
+  publication::shard_store host(params, 2, 1, w);
+  publication::shard_store dev(params, 2, 1, w, device::spec{device::kind::cuda, 0});
+  host.apply_step();
+  dev.apply_step();
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const auto bytes = host.spec(i).padded_bytes();
+    ASSERT_EQ(to_host(0, dev.data(i), bytes),
+              std::vector<std::byte>(host.data(i), host.data(i) + bytes))
+      << params[i].name;
+  }
+}
+
+// ---------------------------------------------------------------- publications over CUDA IPC
+
+class GpuPublication : public Publication {
+protected:
+  // Independent check of the receipts: the host verifier's digests of the trainer's weights.
+  void expect_byte_exact(const publication_result& res, std::uint32_t tp) {
+    auto want = publication::expected_resident_digests(
+      cfg.model, tp, {cfg.job.seed, cfg.trainer.lr, cfg.trainer.init_scale}, step_of_rank0());
+    ASSERT_EQ(res.receipts.size(), tp);
+    for (std::uint32_t r = 0; r < tp; ++r) {
+      const auto& got = res.receipts[r];
+      EXPECT_EQ(got.device_uuid,
+                cuda::device_uuid(device::parse(cfg.runtime.devices[r], "device").index));
+      ASSERT_EQ(got.checksums.size(), want[r].size());
+      for (std::size_t i = 0; i < want[r].size(); ++i)
+        EXPECT_EQ(got.checksums[i].digest, model::digest_hex(want[r][i]))
+          << "rank " << r << " " << got.checksums[i].name;
+    }
+  }
+
+  // After release_ipc every worker has closed every IPC handle it opened.
+  void expect_handles_closed(std::uint64_t* opened_so_far) {
+    auto d = ask<runtime_description>(rollout.engine, describe_atom::value);
+    ASSERT_TRUE(d);
+    std::uint64_t opened = 0;
+    for (const auto& w : d->workers) {
+      EXPECT_EQ(w.producer_buffers_open, 0u) << "TP worker " << w.rank;
+      opened += w.producer_buffers_opened;
+    }
+    EXPECT_GT(opened, *opened_so_far) << "the publication opened IPC handles";
+    EXPECT_LE(opened - *opened_so_far, d->workers.size() * cfg.publication.buffer_count)
+      << "each buffer is opened once per publication";
+    *opened_so_far = opened;
+  }
+
+  void publish_three_times(std::uint32_t tp) {
+    std::uint64_t opened = 0;
+    for (std::uint64_t v = 1; v <= 3; ++v) {
+      if (v > 1)
+        step_all();
+      auto res = publish(v);
+      ASSERT_TRUE(res) << "version " << v << ": " << render(res.error());
+      EXPECT_EQ(res->model_version, v);
+      EXPECT_GT(res->chunks, 1u);
+      expect_byte_exact(*res, tp);
+      expect_handles_closed(&opened);
+      EXPECT_EQ(engine().committed_version, v);
+    }
+  }
+};
+
+TEST_F(GpuPublication, ByteExactTp1) {
+  REQUIRE_GPUS(1);
+  cfg = gpu_config({"cuda:0"});
+  start();
+  publish_three_times(1);
+}
+
+TEST_F(GpuPublication, ByteExactTp2) {
+  REQUIRE_GPUS(2);
+  cfg = gpu_config({"cuda:0", "cuda:1"});
+  start();
+  publish_three_times(2);
+}
+
+// Trainer rank 0 and TP worker 0 on cuda:1: handles are found by UUID, not by ordinal. (CTest
+// also runs this binary's publications under CUDA_VISIBLE_DEVICES=1,0.)
+TEST_F(GpuPublication, PermutedDevicesFindTheirHandlesByUuid) {
+  REQUIRE_GPUS(2);
+  cfg = gpu_config({"cuda:1", "cuda:0"});
+  start();
+  auto d = ask<runtime_description>(rollout.engine, describe_atom::value);
+  ASSERT_TRUE(d);
+  EXPECT_EQ(d->workers[0].device_uuid, cuda::device_uuid(1));
+  EXPECT_EQ(d->workers[1].device_uuid, cuda::device_uuid(0));
+  EXPECT_NE(cuda::device_uuid(0), cuda::device_uuid(1));
+  publish_three_times(2);
+}
+
+TEST_F(GpuPublication, FailedChunkOnOneRankPoisonsWithoutHang) {
+  REQUIRE_GPUS(2);
+  cfg = gpu_config({"cuda:0", "cuda:1"});
+  // Rank 1 fails chunk 1 before entering the collective: rank 0 waits inside NCCL until the
+  // gate's abort reaches it.
+  cfg.trainer.faults = {{1, "fail_materialize", "", 1}};
+  cfg.publication.gate_deadline_ms = 5000;
+  start();
+  const pid_t pid = runtime_pid();
+  const auto t0 = std::chrono::steady_clock::now();
+  auto res = publish(1);
+  const double seconds
+    = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  expect_poisoned(res, errc::gate_failed, "injected materialization failure", pid);
+  EXPECT_LT(seconds, 5.0) << "the abort reached the rank inside the NCCL all-gather";
+  // Fresh communicators and runtime: the next publication commits byte-exact.
+  auto again = publish(2);
+  ASSERT_TRUE(again) << render(again.error());
+  expect_byte_exact(*again, 2);
+}
+
+// Sleep level 2 returns resident weight memory to the device; wake allocates it again. Uses
+// the bench model (about 0.6 GiB of resident weights on one GPU) so the change is far above
+// the allocator's granularity.
+TEST_F(GpuPublication, SleepLevel2ReturnsWeightMemoryToTheDevice) {
+  REQUIRE_GPUS(1);
+  auto bench = config::load_file(std::string(REFIT_SOURCE_DIR) + "/configs/bench-cpu.yaml");
+  cfg = gpu_config({"cuda:0"});
+  cfg.model = bench.model;
+  start();
+  auto d = ask<runtime_description>(rollout.engine, describe_atom::value);
+  ASSERT_TRUE(d);
+  const std::uint64_t weights = d->workers[0].weight_bytes_resident;
+  ASSERT_GT(weights, 256u << 20);
+  const std::uint64_t awake = cuda::free_bytes(0);
+  ASSERT_TRUE(ask<engine_status>(rollout.engine, sleep_atom::value, std::uint32_t{2}));
+  const std::uint64_t asleep = cuda::free_bytes(0);
+  EXPECT_GE(asleep, awake + weights * 95 / 100)
+    << "sleep(2) freed " << (asleep - std::min(asleep, awake)) << " of " << weights << " bytes";
+  ASSERT_TRUE(ask<engine_status>(rollout.engine, wake_atom::value, wake_tags::only_weights()));
+  const std::uint64_t woken = cuda::free_bytes(0);
+  EXPECT_LE(woken + weights * 95 / 100, asleep) << "wake(weights) allocates them again";
+  d = ask<runtime_description>(rollout.engine, describe_atom::value);
+  ASSERT_TRUE(d);
+  EXPECT_EQ(d->workers[0].weight_bytes_resident, weights);
+  EXPECT_GT(d->workers[0].device_free_bytes, 0u);
+}
+
+} // namespace
+} // namespace refit::testing
