@@ -392,6 +392,11 @@ void bench::start() {
                       + std::to_string(timeout.count() / 1000) + " s: "
                       + (st.last_error.empty() ? std::string("no error reported") : st.last_error));
   pub_ = refit::spawn_publication(*sys_, cfg_, rollout_.engine);
+  // Ranks answer describe once their worker threads have allocated and filled their shards,
+  // so no timed publication (or memory probe) overlaps that.
+  for (const auto& rank : pub_.ranks)
+    ask<refit::rank_info>("describe of a trainer rank", rank, caf::timespan{10min},
+                          refit::describe_atom::value);
 }
 
 void bench::stop() {

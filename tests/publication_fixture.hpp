@@ -64,6 +64,9 @@ protected:
     engine_status st;
     ASSERT_TRUE(wait_until_ready(*sys, rollout.engine, 20s, &st)) << st.last_error;
     pub = spawn_publication(*sys, cfg, rollout.engine);
+    // A rank answers describe once its worker thread has allocated its shards.
+    for (const auto& r : pub.ranks)
+      ASSERT_TRUE(ask<rank_info>(r, describe_atom::value));
   }
 
   void TearDown() override {
