@@ -47,11 +47,15 @@ std::string cpu_uuid(int index) {
   std::string key = machine + "/cpu/" + std::to_string(index);
   unsigned char d[SHA256_DIGEST_LENGTH];
   SHA256(reinterpret_cast<const unsigned char*>(key.data()), key.size(), d);
-  char buf[64];
+  return format_uuid("CPU", d);
+}
+
+std::string format_uuid(const char* prefix, const unsigned char* b) {
+  char buf[80];
   std::snprintf(buf, sizeof(buf),
-                "CPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", d[0],
-                d[1], d[2], d[3], d[4], d[5], d[6], d[7], d[8], d[9], d[10], d[11], d[12], d[13],
-                d[14], d[15]);
+                "%s-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", prefix,
+                b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12],
+                b[13], b[14], b[15]);
   return buf;
 }
 

@@ -22,6 +22,8 @@ std::string to_string(const spec& s);
 // hash of the host's machine id and the index, so trainer and runtime processes on one
 // host agree. CUDA devices are resolved by the CUDA build (GPU-... as NVML prints it).
 std::string cpu_uuid(int index);
+// "<prefix>-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" of 16 identity bytes (NVML's GPU UUID form).
+std::string format_uuid(const char* prefix, const unsigned char* bytes16);
 
 // MemAvailable from /proc/meminfo (bytes): the free memory a CPU device reports.
 std::uint64_t host_available_bytes();

@@ -55,10 +55,7 @@ public:
   }
 
   void restore(const host_backup& src, const device_buffer& dst) override {
-    if (src.size() != dst.size())
-      throw std::logic_error(device::to_string(device()) + ": host backup of "
-                             + std::to_string(src.size()) + " bytes cannot restore a buffer of "
-                             + std::to_string(dst.size()) + " bytes");
+    check_restore_size(src, dst);
     src.read(0, dst.data(), dst.size());
   }
 
@@ -211,6 +208,13 @@ void host_backup::read(std::uint64_t offset, std::byte* dst, std::uint64_t count
 #if REFIT_HAVE_CUDA
 std::unique_ptr<device_memory> open_cuda_memory(const device::spec& device); // _cuda.cpp
 #endif
+
+void device_memory::check_restore_size(const host_backup& src, const device_buffer& dst) const {
+  if (src.size() != dst.size())
+    throw std::logic_error(device::to_string(device()) + ": host backup of "
+                           + std::to_string(src.size()) + " bytes cannot restore a buffer of "
+                           + std::to_string(dst.size()) + " bytes");
+}
 
 void require_supported(const device::spec& device) {
 #if !REFIT_HAVE_CUDA

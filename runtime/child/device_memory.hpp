@@ -137,6 +137,8 @@ public:
 
 protected:
   explicit device_memory(device::spec device) : device_(device) {}
+  // Throws std::logic_error unless `src` and `dst` have the same size (restore).
+  void check_restore_size(const host_backup& src, const device_buffer& dst) const;
 
 private:
   friend class device_buffer;

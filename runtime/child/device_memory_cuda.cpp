@@ -51,10 +51,7 @@ public:
   }
 
   void restore(const host_backup& src, const device_buffer& dst) override {
-    if (src.size() != dst.size())
-      throw std::logic_error(device::to_string(device()) + ": host backup of "
-                             + std::to_string(src.size()) + " bytes cannot restore a buffer of "
-                             + std::to_string(dst.size()) + " bytes");
+    check_restore_size(src, dst);
     std::vector<std::byte> staging(std::min<std::uint64_t>(src.size(), staging_bytes));
     for (std::uint64_t off = 0; off < src.size(); off += staging.size()) {
       const std::uint64_t n = std::min<std::uint64_t>(staging.size(), src.size() - off);

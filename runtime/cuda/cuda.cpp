@@ -9,6 +9,7 @@
 #include <nccl.h>
 
 #include "runtime/cuda/kernels.hpp"
+#include "runtime/device.hpp"
 #include "runtime/model/digest.hpp"
 
 namespace refit::cuda {
@@ -35,13 +36,7 @@ void check_nccl(ncclResult_t status, const char* call, const std::string& what) 
 }
 
 std::string format_uuid(const cudaUUID_t& uuid) {
-  const auto* b = reinterpret_cast<const unsigned char*>(uuid.bytes);
-  char out[64];
-  std::snprintf(out, sizeof(out),
-                "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0],
-                b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13],
-                b[14], b[15]);
-  return out;
+  return device::format_uuid("GPU", reinterpret_cast<const unsigned char*>(uuid.bytes));
 }
 
 const char* hex_digits = "0123456789abcdef";

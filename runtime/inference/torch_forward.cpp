@@ -261,25 +261,11 @@ private:
   void write_kv(const std::vector<forward_item>& items, const std::vector<std::int64_t>& offsets,
                 std::byte* kv_base, std::uint32_t layer, const at::Tensor& k,
                 const at::Tensor& v) const {
-    if (k.is_cuda()) {
-      // One device copy per (token, head) slot, as views of the arena.
-      for (std::size_t i = 0; i < items.size(); ++i) {
-        const forward_item& item = items[i];
-        for (std::uint32_t t = 0; t < item.count; ++t) {
-          const std::int64_t row = offsets[i] + t;
-          const std::int64_t position = std::int64_t{item.position} + t;
-          for (std::int64_t head = 0; head < kv_heads_; ++head) {
-            at::from_blob(kv_slot(kv_base, item, layer, 0, position, head), {head_dim_}, f32_)
-              .copy_(k[row][head]);
-            at::from_blob(kv_slot(kv_base, item, layer, 1, position, head), {head_dim_}, f32_)
-              .copy_(v[row][head]);
-          }
-        }
-      }
-      return;
-    }
-    const float* kd = k.data_ptr<float>();
-    const float* vd = v.data_ptr<float>();
+    // One slot per (token, head): a memcpy on the host, a device copy into a view of the arena
+    // on a GPU.
+    const bool on_device = k.is_cuda();
+    const float* kd = on_device ? nullptr : k.data_ptr<float>();
+    const float* vd = on_device ? nullptr : v.data_ptr<float>();
     const std::size_t bytes = static_cast<std::size_t>(head_dim_) * sizeof(float);
     for (std::size_t i = 0; i < items.size(); ++i) {
       const forward_item& item = items[i];
@@ -287,9 +273,16 @@ private:
         const std::int64_t row = offsets[i] + t;
         const std::int64_t position = std::int64_t{item.position} + t;
         for (std::int64_t head = 0; head < kv_heads_; ++head) {
+          float* k_slot = kv_slot(kv_base, item, layer, 0, position, head);
+          float* v_slot = kv_slot(kv_base, item, layer, 1, position, head);
+          if (on_device) {
+            at::from_blob(k_slot, {head_dim_}, f32_).copy_(k[row][head]);
+            at::from_blob(v_slot, {head_dim_}, f32_).copy_(v[row][head]);
+            continue;
+          }
           const std::int64_t src = (row * kv_heads_ + head) * head_dim_;
-          std::memcpy(kv_slot(kv_base, item, layer, 0, position, head), kd + src, bytes);
-          std::memcpy(kv_slot(kv_base, item, layer, 1, position, head), vd + src, bytes);
+          std::memcpy(k_slot, kd + src, bytes);
+          std::memcpy(v_slot, vd + src, bytes);
         }
       }
     }
