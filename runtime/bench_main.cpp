@@ -321,7 +321,7 @@ void bench::start() {
     throw bench_error("the runtime did not become ready within "
                       + std::to_string(timeout.count() / 1000) + " s: "
                       + (st.last_error.empty() ? std::string("no error reported") : st.last_error));
-  pub_ = refit::spawn_publication(*sys_, cfg_, rollout_.engine);
+  pub_ = refit::spawn_publication(*sys_, cfg_, rollout_);
 }
 
 void bench::stop() {
