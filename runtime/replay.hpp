@@ -28,6 +28,7 @@ struct result {
   std::uint64_t failures = 0;     // poisoned attempts, likewise
   std::uint64_t diverged_seq = 0; // the first recorded entry replay did not reproduce
   std::string divergence;         // what differed (expected vs actual)
+  std::size_t unrecorded_tail = 0; // entries the last step produced past the journal's end
   double seconds = 0;             // wall time of the replay
 };
 

@@ -63,5 +63,9 @@ int main(int argc, char** argv) {
               path.c_str(), res.entries, res.inputs, res.transitions, res.outputs, res.values,
               static_cast<unsigned long long>(res.publications),
               static_cast<unsigned long long>(res.failures), res.seconds);
+  if (res.unrecorded_tail > 0)
+    std::printf("refit-replay: the journal ends inside a step: its last step produced %zu more "
+                "entries that were not recorded\n",
+                res.unrecorded_tail);
   return 0;
 }
