@@ -182,6 +182,11 @@ void check_verification(self_ptr self, std::shared_ptr<publication_ctx> ctx) {
   if (!ctx->verify_error.empty())
     return poison(self, make_refit_error(errc::verification_failed, "verifier", ctx->verify_error));
   const auto& got = ctx->commit.receipts;
+  if (got.size() != ctx->expected_checksums.size())
+    return poison(self, make_refit_error(errc::verification_failed, "receipts",
+                                         std::to_string(got.size()) + " receipts, the verifier has "
+                                           + std::to_string(ctx->expected_checksums.size())
+                                           + " TP ranks"));
   for (std::size_t r = 0; r < ctx->expected_checksums.size(); ++r) {
     const auto& want = ctx->expected_checksums[r].checksums;
     const auto& have = got[r].checksums;
