@@ -3,6 +3,8 @@
 #include <chrono>
 #include <deque>
 #include <map>
+#include <set>
+#include <tuple>
 
 #include <caf/actor_system.hpp>
 #include <caf/actor_system_config.hpp>
@@ -23,12 +25,21 @@ using journal::kind;
 
 using stand_in_ping_atom = caf::atom_constant<caf::atom("standin")>;
 
+// Requests the stand-ins received: (stand-in, requester, id of the awaited response).
+using request_log = std::set<std::tuple<std::string, caf::actor_addr, std::uint64_t>>;
+
 // An outside actor in the replay: takes every message, answers nothing (a request stays
-// unanswered until the journal delivers the recorded answer).
-caf::behavior stand_in(caf::event_based_actor* self) {
-  self->set_default_handler([](caf::scheduled_actor*, caf::message_view&) -> caf::result<caf::message> {
-    return caf::delegated<caf::message>{};
-  });
+// unanswered until the journal delivers the recorded answer) and logs every request.
+caf::behavior stand_in(caf::event_based_actor* self, std::shared_ptr<request_log> log,
+                       std::string symbol) {
+  self->set_default_handler(
+    [log, symbol](caf::scheduled_actor* me, caf::message_view&) -> caf::result<caf::message> {
+      auto mid = me->current_message_id();
+      if (mid.is_request())
+        log->emplace(symbol, caf::actor_cast<caf::actor_addr>(me->current_sender()),
+                     mid.response_id().integer_value());
+      return caf::delegated<caf::message>{};
+    });
   return {[](stand_in_ping_atom) {}};
 }
 
@@ -84,7 +95,7 @@ public:
         if (e.k == kind::internal)
           return diverge(i, diverged_seq,
                          "no replayed actor sent this message to " + e.actor);
-        msg = rebuild(e);
+        msg = rebuild(e, caf::actor_cast<caf::actor_addr>(target));
       }
       releasing_ = true;
       target->enqueue(std::move(msg), nullptr);
@@ -125,7 +136,7 @@ protected:
 
 private:
   caf::strong_actor_ptr create(const std::string& symbol, role r) {
-    auto h = caf::actor_cast<caf::strong_actor_ptr>(sys_.spawn(stand_in));
+    auto h = caf::actor_cast<caf::strong_actor_ptr>(sys_.spawn(stand_in, requests_, symbol));
     stand_ins_[symbol] = h;
     name(caf::actor_cast<caf::actor_addr>(h), symbol, r);
     return h;
@@ -162,14 +173,27 @@ private:
     return nullptr;
   }
 
-  caf::mailbox_element_ptr rebuild(const entry& e) {
+  [[noreturn]] void malformed(const entry& e, const std::string& field, const std::string& what) {
+    throw journal::journal_error(origin_ + ": entry seq " + std::to_string(e.seq) + ": field '"
+                                   + field + "': " + what,
+                                 0, e.seq, field);
+  }
+
+  caf::mailbox_element_ptr rebuild(const entry& e, const caf::actor_addr& target) {
     caf::message content;
     auto resolver = [this](const std::string& s, journal::handle_kind k) { return resolve(s, k); };
     auto err = journal::decode(e.elements, resolver, content);
     if (!err.empty())
-      throw journal::journal_error(origin_ + ": entry seq " + std::to_string(e.seq)
-                                     + ": field 'elements': " + err,
-                                   0, e.seq, "elements");
+      malformed(e, "elements", err);
+    // A reply from outside answers a request the actor really sent to that outside actor
+    // (an error may answer any request: timeouts, bounced requests).
+    caf::message_id mid{e.message_id};
+    bool only_error = content.size() == 1 && content.match_element<caf::error>(0);
+    if (mid.is_response() && !only_error
+        && requests_->count({e.peer, target, e.message_id}) == 0)
+      malformed(e, "message_id",
+                "a reply from " + e.peer + " to a request " + e.actor
+                  + " did not send it in the replay");
     return caf::make_mailbox_element(resolve(e.peer, journal::handle_kind::any),
                                      caf::message_id{e.message_id}, {}, std::move(content));
   }
@@ -197,6 +221,7 @@ private:
   std::map<std::string, caf::strong_actor_ptr> core_;
   std::map<std::string, caf::strong_actor_ptr> stand_ins_;
   std::map<caf::actor_addr, std::deque<caf::mailbox_element_ptr>> pending_;
+  std::shared_ptr<request_log> requests_ = std::make_shared<request_log>();
   bool releasing_ = false;
   bool passthrough_ = false;
 };

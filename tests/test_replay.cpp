@@ -228,6 +228,28 @@ TEST(ReplayJournal, TinyJournalReplaysAndAWrongReplyDiverges) {
   EXPECT_THAT(res.divergence, HasSubstr("actual:   seq 2 OUTPUT_REPLY"));
 }
 
+TEST(ReplayJournal, AForgedReplyIsMalformedNotObeyed) {
+  // A "rank reply" to a request the coordinator never sent: replay refuses to deliver it.
+  auto f = tiny_journal();
+  journal::entry forged;
+  forged.seq = 3;
+  forged.k = journal::kind::input_rank_reply;
+  forged.actor = "SyncCoordinator";
+  forged.peer = "rank0";
+  forged.message_id = caf::make_message_id(7).response_id().integer_value();
+  forged.elements = encode(caf::make_message(rank_info{}));
+  forged.type = journal::signature(forged.elements);
+  f.entries.push_back(forged);
+  try {
+    replay::run(f, "j");
+    ADD_FAILURE() << "replayed a forged reply";
+  } catch (const journal::journal_error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("j: entry seq 3: field 'message_id': a reply from rank0 to a "
+                                    "request SyncCoordinator did not send"));
+    EXPECT_EQ(e.seq, 3u);
+  }
+}
+
 TEST(ReplayJournal, TruncatedJournalNamesTheOffset) {
   auto bytes = journal::serialize(tiny_journal());
   auto header_bytes = journal::serialize(tiny_journal().header).size();
