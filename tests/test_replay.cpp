@@ -169,6 +169,65 @@ TEST_F(RecordedRun, TamperedOrReorderedEntriesAreNamed) {
   std::remove(modified.c_str());
 }
 
+// -------------------------------------------------------------------------------- codec
+
+TEST(JournalCodec, EveryElementTypeRoundTripsBitExactly) {
+  publication_result res;
+  res.publication_id = "pub-1";
+  res.seconds = 0.1 + 0.2; // not representable in a short decimal
+  res.receipts.push_back(receipt{"pub-1", 1, 2, "ab", 1, "GPU-x", 7, {{"w", "00ff"}}});
+  res.recovered_errors = {"refit.runtime_exited at update_weights: peer closed"};
+  rank_report rr;
+  rr.phase = phase_id{"pub-1", 2, 3};
+  rr.tensors = {tensor_meta{"t", {-1, 2}, 1, 256, 8}};
+  generate_result gen;
+  gen.samples.push_back(sample{0, {1}, {2, 3}, {-0.5f, -1e-30f}, "length", true, 4});
+  auto err = make_refit_error(errc::gate_failed, "materialize[1] of pub-1", "rank 1: x");
+  auto msg = caf::make_message(update_atom::value, res, rr, gen, std::vector<rank_report>{rr},
+                               std::uint32_t{7}, std::uint64_t{1} << 63, true, -0.0, err,
+                               caf::error{});
+  auto elements = encode(msg);
+  caf::message back;
+  ASSERT_EQ(journal::decode(elements, {}, back), "");
+  EXPECT_EQ(encode(back), elements);
+  EXPECT_EQ(back.get_as<publication_result>(1).seconds, 0.1 + 0.2);
+  EXPECT_EQ(render(back.get_as<caf::error>(9)), render(err));
+  EXPECT_FALSE(back.get_as<caf::error>(10));
+  EXPECT_EQ(journal::signature(elements),
+            "'update', publication_result, rank_report, generate_result, vector<rank_report>, "
+            "u32, u64, bool, double, error, error");
+}
+
+TEST(JournalCodec, HostileBytesAreBoundedErrors) {
+  caf::message m;
+  // A 10-byte varint length (CAF's own deserializer would shift a 32-bit value by 35 bits).
+  auto err = journal::decode({{"string", std::string("\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01", 10)}},
+                             {}, m);
+  EXPECT_THAT(err, HasSubstr("elements[0] (string): string of 18446744073709551615 bytes exceeds"));
+  err = journal::decode({{"string", std::string("\xff\xff\xff\xff\xff\xff\xff\xff\xff\x7f", 10)}},
+                        {}, m);
+  EXPECT_THAT(err, HasSubstr("varint overflows 64 bits"));
+  err = journal::decode({{"vector<rank_report>", std::string("\x80\x80\x80\x80\x10", 5)}}, {}, m);
+  EXPECT_THAT(err, HasSubstr("sequence count 4294967296 exceeds the 0 bytes left"));
+  err = journal::decode({{"bool", std::string("\x02", 1)}}, {}, m);
+  EXPECT_THAT(err, HasSubstr("bool byte 2 is neither 0 nor 1"));
+  err = journal::decode({{"u64", "1234567"}}, {}, m);
+  EXPECT_THAT(err, HasSubstr("truncated: 8-byte value, 7 bytes left"));
+  err = journal::decode({{"u32", "12345"}}, {}, m);
+  EXPECT_THAT(err, HasSubstr("1 bytes left after the value"));
+  err = journal::decode({{"?std::thread", "x"}}, {}, m);
+  EXPECT_THAT(err, HasSubstr("unknown element type"));
+  // An error whose context holds an error whose context holds ...: bounded depth.
+  auto e = make_refit_error(errc::busy, "a", "b");
+  for (int i = 0; i < 6; ++i)
+    e = caf::error{e.code(), e.category(), caf::make_message(e)};
+  err = journal::decode(encode(caf::make_message(e)), {}, m);
+  EXPECT_THAT(err, HasSubstr("errors nested deeper than"));
+  // Rendering never throws on bad bytes; it names the problem.
+  EXPECT_THAT(journal::render(std::vector<journal::element>{{"rank_info", "\x01"}}),
+              HasSubstr("<truncated"));
+}
+
 // -------------------------------------------------------------------------------- malformed
 
 // A small valid journal without processes: the driver asks the engine for its status.
