@@ -1,7 +1,6 @@
 #include "runtime/journal.hpp"
 
 #include <cstring>
-#include <limits>
 #include <type_traits>
 
 #include <caf/actor_companion.hpp>
@@ -385,8 +384,7 @@ element_type plain(const char* name) {
 }
 
 template <class Handle>
-element_type handle_of(const char* name, handle_kind hk) {
-  (void)hk;
+element_type handle_of(const char* name) {
   return element_type{
     name,
     [](const caf::type_erased_tuple& xs, std::size_t i) { return xs.match_element<Handle>(i); },
@@ -546,7 +544,7 @@ const std::vector<element_type>& table() {
     plain<supervisor_status>("supervisor_status"),
     plain<std::vector<rank_report>>("vector<rank_report>"),
     plain<std::vector<receipt>>("vector<receipt>"),
-    handle_of<runtime_proxy_actor>("runtime_proxy_actor", handle_kind::runtime_proxy),
+    handle_of<runtime_proxy_actor>("runtime_proxy_actor"),
     rank_handles(),
     error_type(),
     system_message<caf::down_msg>("down_msg"),
