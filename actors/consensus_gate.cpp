@@ -27,8 +27,10 @@ void fail(self_ptr self, const phase_id& phase, std::uint32_t rank, const std::s
   }
   for (auto it = st.early.begin(); it != st.early.end();)
     it = it->first.publication_id == phase.publication_id ? st.early.erase(it) : std::next(it);
-  for (const auto& r : st.ranks)
+  for (const auto& r : st.ranks) {
+    journal::note_send(self, st.opts.journal, r, abort_atom::value, g);
     self->send(r, abort_atom::value, g);
+  }
 }
 
 void absorb(self_ptr self, const rank_report& r) {
@@ -58,7 +60,8 @@ void absorb(self_ptr self, const rank_report& r) {
 
 } // namespace
 
-consensus_gate_actor::behavior_type consensus_gate(self_ptr self) {
+consensus_gate_actor::behavior_type consensus_gate(self_ptr self, consensus_gate_options opts) {
+  self->state.opts = std::move(opts);
   return {
     [=](attach_atom, std::vector<trainer_rank_actor>& ranks) {
       self->state.ranks = std::move(ranks);

@@ -12,8 +12,13 @@
 #include <vector>
 
 #include "actors/interfaces.hpp"
+#include "runtime/journal.hpp"
 
 namespace refit {
+
+struct consensus_gate_options {
+  journal::sink_ptr journal; // set when journaling (aborts sent to the ranks)
+};
 
 struct consensus_gate_state {
   static inline const char* name = "ConsensusGate";
@@ -25,6 +30,7 @@ struct consensus_gate_state {
     caf::typed_response_promise<std::vector<rank_report>> rp;
   };
 
+  consensus_gate_options opts;
   std::vector<trainer_rank_actor> ranks;
   std::map<phase_id, round> open;
   std::map<phase_id, std::vector<rank_report>> early; // arrived before `open`
@@ -33,6 +39,7 @@ struct consensus_gate_state {
 };
 
 consensus_gate_actor::behavior_type
-consensus_gate(consensus_gate_actor::stateful_pointer<consensus_gate_state> self);
+consensus_gate(consensus_gate_actor::stateful_pointer<consensus_gate_state> self,
+               consensus_gate_options opts);
 
 } // namespace refit

@@ -91,10 +91,13 @@ void mark_broken(self_ptr self, const caf::error& err, bool poison) {
   st.update_open = false;
   st.transfer_initialized = false;
   st.ipc_open = false;
-  if (poison && st.proxy)
+  if (poison && st.proxy) {
+    auto reason = "poisoned by the RolloutEngine after: " + st.last_error;
+    journal::note_send(self, st.opts.journal, st.proxy, poison_atom::value, reason);
     self->request(st.proxy, request_timeout(st.opts, st.opts.timeouts_ms.shutdown), poison_atom::value,
-                  "poisoned by the RolloutEngine after: " + st.last_error)
+                  reason)
       .then([](caf::ok_atom) {}, [](caf::error&) {});
+  }
 }
 
 // Whether a failed request must poison the runtime: any answer that is not a channel failure,
@@ -112,6 +115,7 @@ void forward(self_ptr self, Promise rp, bool unsafe, std::uint32_t command_ms, O
   auto& st = self->state;
   st.conn = connection_state::inflight;
   auto incarnation = st.incarnation;
+  journal::note_send(self, st.opts.journal, st.proxy, xs...);
   self->request(st.proxy, request_timeout(st.opts, command_ms), std::forward<Ts>(xs)...)
     .then(
       [=](Reply& reply) mutable {
@@ -321,6 +325,7 @@ void on_attach(self_ptr self, runtime_proxy_actor proxy, std::uint64_t incarnati
   st.conn = connection_state::inflight;
   self->monitor(proxy);
   // Learn topology and lifecycle; a runtime that lies about itself is poisoned.
+  journal::note_send(self, st.opts.journal, proxy, describe_atom::value);
   self->request(proxy, request_timeout(st.opts, st.opts.timeouts_ms.describe), describe_atom::value)
     .then(
       [=](runtime_description& d) {

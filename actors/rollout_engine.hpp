@@ -9,6 +9,7 @@
 
 #include "actors/interfaces.hpp"
 #include "runtime/config.hpp"
+#include "runtime/journal.hpp"
 
 namespace refit {
 
@@ -16,6 +17,7 @@ struct rollout_engine_options {
   config::timeouts timeouts_ms;        // the proxy's per-command timeouts
   std::uint32_t kill_grace_ms = 2000;  // the proxy's SIGTERM -> SIGKILL grace
   std::uint32_t tp_size = 1;           // expected TP world size of the runtime
+  journal::sink_ptr journal;           // set when journaling (requests to the proxy)
 };
 
 struct rollout_engine_state {

@@ -87,8 +87,10 @@ void poison(self_ptr self, caf::error err) {
   ++st.failures;
   st.last_error = render(err);
   gate_failure g{ctx->current, 0, st.last_error};
-  for (const auto& r : st.ranks)
+  for (const auto& r : st.ranks) {
+    journal::note_send(self, st.opts.journal, r, abort_atom::value, g);
     self->send(r, abort_atom::value, g);
+  }
   st.ctx.reset();
   enter(self, publication_state::idle);
   bool retry = ctx->attempt <= st.opts.publication.republish_attempts;
@@ -159,8 +161,10 @@ void phase(self_ptr self, std::shared_ptr<publication_ctx> ctx, phase_kind kind,
   self->request(st.gate, gate_timeout(st), open_atom::value, ctx->current,
                 static_cast<std::uint32_t>(st.ranks.size()), st.opts.publication.gate_deadline_ms)
     .then(guarded<std::vector<rank_report>>(self, ctx, next), on_error(self, ctx));
-  for (const auto& r : st.ranks)
+  for (const auto& r : st.ranks) {
+    journal::note_send(self, st.opts.journal, r, xs...);
     self->send(r, xs...);
+  }
 }
 
 void finalize(self_ptr self, std::shared_ptr<publication_ctx> ctx);
@@ -169,6 +173,11 @@ void check_verification(self_ptr self, std::shared_ptr<publication_ctx> ctx) {
   if (!ctx->verify_error.empty())
     return poison(self, make_refit_error(errc::verification_failed, "verifier", ctx->verify_error));
   const auto& got = ctx->commit.receipts;
+  if (got.size() != ctx->expected_checksums.size())
+    return poison(self, make_refit_error(errc::verification_failed, "receipts",
+                                         std::to_string(got.size()) + " receipts, the verifier has "
+                                           + std::to_string(ctx->expected_checksums.size())
+                                           + " TP ranks"));
   for (std::size_t r = 0; r < ctx->expected_checksums.size(); ++r) {
     const auto& want = ctx->expected_checksums[r].checksums;
     const auto& have = got[r].checksums;
@@ -197,9 +206,9 @@ void finish(self_ptr self, std::shared_ptr<publication_ctx> ctx) {
     .then(guarded<commit_result>(self, ctx,
                   [self, ctx](commit_result& res) {
                     // The timed window ends here: the runtime committed the version.
-                    ctx->seconds = std::chrono::duration<double>(clock_type::now()
-                                                                 - ctx->first_chunk)
-                                     .count();
+                    ctx->seconds = journal::draw(
+                      self, self->state.opts.journal, "seconds",
+                      std::chrono::duration<double>(clock_type::now() - ctx->first_chunk).count());
                     ctx->commit = std::move(res);
                     enter(self, publication_state::committed);
                     if (!ctx->verify)
@@ -432,6 +441,8 @@ void begin(self_ptr self, std::shared_ptr<publication_ctx> ctx) {
                     ctx->runtime = std::move(d);
                     ctx->ranks.assign(st.ranks.size(), rank_info{});
                     auto pending = std::make_shared<std::size_t>(st.ranks.size());
+                    for (const auto& r : st.ranks)
+                      journal::note_send(self, st.opts.journal, r, describe_atom::value);
                     for (std::size_t r = 0; r < st.ranks.size(); ++r)
                       self->request(st.ranks[r], gate_timeout(st), describe_atom::value)
                         .then(guarded<rank_info>(self, ctx,
@@ -453,9 +464,10 @@ void begin(self_ptr self, std::shared_ptr<publication_ctx> ctx) {
                                           h.device_uuids.push_back(ri.device_uuid);
                                         h.expected_tensor_count = ctx->expected.size();
                                         h.verify = ctx->verify;
-                                        if (ctx->verify) {
+                                        if (ctx->verify && !journal::replaying(st.opts.journal)) {
                                           // Expected checksums from the trainer's full weights,
-                                          // computed while the publication runs.
+                                          // computed while the publication runs (in a replay
+                                          // the journal brings the worker's answer).
                                           caf::actor_addr weak = self->address();
                                           st.worker->post([weak, id = ctx->id,
                                                            model = st.opts.model,
@@ -503,7 +515,7 @@ void start_attempt(self_ptr self, std::uint64_t version,
                    std::vector<std::string> recovered) {
   auto& st = self->state;
   auto ctx = std::make_shared<publication_ctx>();
-  ctx->id = random_publication_id();
+  ctx->id = journal::draw(self, st.opts.journal, "publication_id", random_publication_id());
   ctx->version = version;
   ctx->rp = std::move(rp);
   ctx->attempt = attempt;
@@ -566,7 +578,9 @@ sync_coordinator(self_ptr self, sync_coordinator_options opts, rollout_engine_ac
               auto retry = std::move(r);
               st.retry.reset();
               start_attempt(self, retry.version, retry.rp, retry.next_attempt, retry.errors);
-            } else if (s.gave_up || clock_type::now() > r.deadline) {
+            } else if (s.gave_up
+                       || journal::draw(self, st.opts.journal, "republish_deadline_passed",
+                                        clock_type::now() > r.deadline)) {
               auto retry = std::move(r);
               st.retry.reset();
               retry.rp.deliver(retry.last_error);

@@ -20,6 +20,7 @@
 
 #include "actors/interfaces.hpp"
 #include "runtime/config.hpp"
+#include "runtime/journal.hpp"
 #include "runtime/publication/chunk_plan.hpp"
 #include "runtime/worker_thread.hpp"
 
@@ -32,6 +33,7 @@ struct sync_coordinator_options {
   std::uint32_t kill_grace_ms = 2000;
   model::synthetic_weights weights;   // the trainer's weights (for the byte-exact verifier)
   std::uint32_t restart_wait_ms = 60000; // a republish waits this long for a fresh runtime
+  journal::sink_ptr journal;             // set when journaling (rank messages, drawn values)
 };
 
 // Everything about the publication in flight.

@@ -391,7 +391,7 @@ void bench::start() {
     throw bench_error("the runtime did not become ready within "
                       + std::to_string(timeout.count() / 1000) + " s: "
                       + (st.last_error.empty() ? std::string("no error reported") : st.last_error));
-  pub_ = refit::spawn_publication(*sys_, cfg_, rollout_.engine);
+  pub_ = refit::spawn_publication(*sys_, cfg_, rollout_);
   // Ranks answer describe once their worker threads have allocated and filled their shards,
   // so no timed publication (or memory probe) overlaps that.
   for (const auto& rank : pub_.ranks)

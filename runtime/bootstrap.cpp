@@ -13,6 +13,8 @@
 #include "actors/trainer_rank.hpp"
 #include "actors/runtime_proxy.hpp"
 #include "runtime/publication/backend.hpp"
+#include "runtime/journal_actor.hpp"
+#include "runtime/journal_file.hpp"
 
 namespace refit {
 
@@ -50,22 +52,120 @@ proxy_factory make_runtime_proxy_factory(const config::refit_config& cfg,
   };
 }
 
-rollout_handles spawn_rollout(caf::actor_system& sys, const config::refit_config& cfg,
-                              proxy_factory factory) {
+// What the journal records as each journaled actor's state (runtime/journal_actor.hpp).
+caf::message journal_state(const sync_coordinator_state& st) {
+  std::string retry = "none";
+  if (st.retry)
+    retry = "version " + std::to_string(st.retry->version) + " attempt "
+            + std::to_string(st.retry->next_attempt) + " after incarnation "
+            + std::to_string(st.retry->failed_incarnation);
+  return caf::make_message(st.status(), retry);
+}
+
+caf::message journal_state(const rollout_engine_state& st) {
+  std::string flags = "transfer_initialized=" + std::to_string(st.transfer_initialized)
+                      + " ipc_open=" + std::to_string(st.ipc_open)
+                      + " next_chunk=" + std::to_string(st.next_chunk)
+                      + " publication=" + st.header.publication_id;
+  return caf::make_message(st.status(), flags);
+}
+
+caf::message journal_state(const consensus_gate_state& st) {
+  std::string open;
+  for (const auto& [phase, round] : st.open)
+    open += (open.empty() ? "" : ", ") + to_string(phase) + ": "
+            + std::to_string(round.reports.size()) + "/" + std::to_string(round.world);
+  std::string early;
+  for (const auto& [phase, reports] : st.early)
+    early += (early.empty() ? "" : ", ") + to_string(phase) + ": "
+             + std::to_string(reports.size());
+  std::string failed;
+  for (const auto& id : st.failed)
+    failed += (failed.empty() ? "" : ", ") + id;
+  return caf::make_message("passed=" + std::to_string(st.passed) + "; open=[" + open
+                           + "]; early=[" + early + "]; failed=[" + failed + "]; ranks="
+                           + std::to_string(st.ranks.size()));
+}
+
+rollout_engine_options engine_options(const config::refit_config& cfg) {
   rollout_engine_options eo;
   eo.timeouts_ms = cfg.runtime.timeouts_ms;
   eo.kill_grace_ms = cfg.runtime.kill_grace_ms;
   eo.tp_size = cfg.runtime.tp_size;
+  return eo;
+}
+
+sync_coordinator_options coordinator_options(const config::refit_config& cfg) {
+  sync_coordinator_options so;
+  so.model = cfg.model;
+  so.publication = cfg.publication;
+  so.timeouts_ms = cfg.runtime.timeouts_ms;
+  so.kill_grace_ms = cfg.runtime.kill_grace_ms;
+  so.weights = model::synthetic_weights{cfg.job.seed, cfg.trainer.lr, cfg.trainer.init_scale};
+  // A republish waits for the supervisor's whole restart schedule plus one startup.
+  so.restart_wait_ms = cfg.runtime.timeouts_ms.startup
+                       + cfg.supervisor.backoff_max_ms * (cfg.supervisor.max_restarts + 1) + 10000;
+  return so;
+}
+
+journal::sink_ptr open_journal(const config::refit_config& cfg) {
+  if (!cfg.journal.enabled)
+    return nullptr;
+  return journal::record_to_file(cfg.journal.path,
+                                 journal::make_header(config::to_yaml(cfg), cfg.job.seed));
+}
+
+rollout_engine_actor spawn_engine(caf::actor_system& sys, const config::refit_config& cfg,
+                                  const journal::sink_ptr& j) {
+  auto eo = engine_options(cfg);
+  eo.journal = j;
+  return journal::spawn(sys, j, rollout_engine, eo);
+}
+
+rollout_handles spawn_rollout(caf::actor_system& sys, const config::refit_config& cfg,
+                              proxy_factory factory) {
   rollout_handles h;
-  h.engine = sys.spawn(rollout_engine, eo);
+  h.journal = open_journal(cfg);
+  h.engine = spawn_engine(sys, cfg, h.journal);
+  if (auto j = h.journal)
+    factory = [j, inner = std::move(factory)](caf::actor_system& s, std::uint64_t n) {
+      auto proxy = inner(s, n);
+      j->name(caf::actor_cast<caf::actor_addr>(proxy), "runtime#" + std::to_string(n),
+              journal::sink::role::runtime);
+      return proxy;
+    };
   h.supervisor = sys.spawn(rollout_supervisor, cfg.supervisor, std::move(factory), h.engine);
   return h;
 }
 
-publication_handles spawn_publication(caf::actor_system& sys, const config::refit_config& cfg,
-                                      const rollout_engine_actor& engine) {
+consensus_gate_actor spawn_gate(caf::actor_system& sys, const journal::sink_ptr& j) {
+  consensus_gate_options go;
+  go.journal = j;
+  return journal::spawn(sys, j, consensus_gate, go);
+}
+
+publication_handles spawn_coordinator(caf::actor_system& sys, const config::refit_config& cfg,
+                                      const rollout_engine_actor& engine,
+                                      const consensus_gate_actor& gate,
+                                      std::vector<trainer_rank_actor> ranks,
+                                      const journal::sink_ptr& j) {
   publication_handles h;
-  h.gate = sys.spawn(consensus_gate);
+  h.gate = gate;
+  h.ranks = std::move(ranks);
+  if (j)
+    for (std::size_t r = 0; r < h.ranks.size(); ++r)
+      j->name(caf::actor_cast<caf::actor_addr>(h.ranks[r]), "rank" + std::to_string(r),
+              journal::sink::role::rank);
+  caf::anon_send(h.gate, attach_atom::value, h.ranks);
+  auto so = coordinator_options(cfg);
+  so.journal = j;
+  h.coordinator = journal::spawn(sys, j, sync_coordinator, so, engine, h.gate, h.ranks);
+  return h;
+}
+
+publication_handles spawn_publication(caf::actor_system& sys, const config::refit_config& cfg,
+                                      const rollout_handles& rollout) {
+  auto gate = spawn_gate(sys, rollout.journal);
   auto world = cfg.runtime.tp_size;
   std::vector<device::spec> rank_devices;
   for (std::uint32_t r = 0; r < world; ++r)
@@ -75,6 +175,7 @@ publication_handles spawn_publication(caf::actor_system& sys, const config::refi
                                   : "trainer.devices[" + std::to_string(r) + "]"));
   auto collectives = publication::make_collective_registry(rank_devices);
   model::synthetic_weights weights{cfg.job.seed, cfg.trainer.lr, cfg.trainer.init_scale};
+  std::vector<trainer_rank_actor> ranks;
   for (std::uint32_t r = 0; r < world; ++r) {
     trainer_rank_options o;
     o.rank = r;
@@ -87,24 +188,13 @@ publication_handles spawn_publication(caf::actor_system& sys, const config::refi
       if (f.rank == r)
         o.faults.push_back(f);
     o.collectives = collectives;
-    o.gate = h.gate;
+    o.gate = gate;
     // Shorter than the gate's deadline, so a rank stuck in the collective reports which peer
     // never arrived before the gate gives up on it.
     o.collective_timeout_ms = cfg.publication.gate_deadline_ms * 9 / 10;
-    h.ranks.push_back(sys.spawn(trainer_rank, std::move(o)));
+    ranks.push_back(sys.spawn(trainer_rank, std::move(o)));
   }
-  caf::anon_send(h.gate, attach_atom::value, h.ranks);
-  sync_coordinator_options so;
-  so.model = cfg.model;
-  so.publication = cfg.publication;
-  so.timeouts_ms = cfg.runtime.timeouts_ms;
-  so.kill_grace_ms = cfg.runtime.kill_grace_ms;
-  so.weights = weights;
-  // A republish waits for the supervisor's whole restart schedule plus one startup.
-  so.restart_wait_ms = cfg.runtime.timeouts_ms.startup
-                       + cfg.supervisor.backoff_max_ms * (cfg.supervisor.max_restarts + 1) + 10000;
-  h.coordinator = sys.spawn(sync_coordinator, so, engine, h.gate, h.ranks);
-  return h;
+  return spawn_coordinator(sys, cfg, rollout.engine, gate, std::move(ranks), rollout.journal);
 }
 
 void shutdown_publication(const publication_handles& h) {

@@ -505,6 +505,14 @@ void read_job(yaml_reader& r, const YAML::Node& node, const std::string& path, j
   });
 }
 
+void read_journal(yaml_reader& r, const YAML::Node& node, const std::string& path,
+                  journal_config& j) {
+  r.read_map(node, path, {
+    {"enabled", [&](const YAML::Node& v, const std::string& p) { j.enabled = r.boolean(v, p); }},
+    {"path", [&](const YAML::Node& v, const std::string& p) { j.path = r.string(v, p); }},
+  });
+}
+
 // ---------------------------------------------------------------------------------------
 // Validation
 // ---------------------------------------------------------------------------------------
@@ -653,6 +661,9 @@ void validate_config(const refit_config& cfg, const locator& locate) {
   if (!(jb.parity_tolerance > 0.0f && jb.parity_tolerance < 1.0f))
     fail("job.parity_tolerance", std::to_string(jb.parity_tolerance) + " is out of range (0, 1)");
 
+  if (cfg.journal.enabled && cfg.journal.path.empty())
+    fail("journal.path", "must not be empty when journal.enabled is true");
+
   try {
     model::validate(cfg.model, rt.tp_size);
   } catch (const model::model_error& e) {
@@ -682,6 +693,8 @@ refit_config parse_yaml(const std::string& text, const std::string& origin) {
     {"publication", [&](const YAML::Node& v, const std::string& p) {
        read_publication(r, v, p, cfg.publication); }},
     {"job", [&](const YAML::Node& v, const std::string& p) { read_job(r, v, p, cfg.job); }},
+    {"journal",
+     [&](const YAML::Node& v, const std::string& p) { read_journal(r, v, p, cfg.journal); }},
   });
   const YAML::Node pub = root["publication"];
   if ((!pub || !pub.IsMap() || !pub["transport"]) && !cfg.runtime.devices.empty()
@@ -743,6 +756,82 @@ std::string model_to_yaml(const model::model_config& m) {
   for (const auto& [key, value] : entries)
     out += (out.size() > 1 ? ", " : "") + std::string(key) + ": " + value;
   return out + "}";
+}
+
+std::string to_yaml(const refit_config& cfg) {
+  auto u = [](std::uint64_t v) { return std::to_string(v); };
+  auto b = [](bool v) { return std::string(v ? "true" : "false"); };
+  auto f = [](double v) { return format_double(v); };
+  auto q = [](const std::string& v) { return quote_if_needed(v); };
+  auto list = [&q](const std::vector<std::string>& xs) {
+    std::string out = "[";
+    for (const auto& x : xs)
+      out += (out.size() > 1 ? ", " : "") + q(x);
+    return out + "]";
+  };
+  std::string y;
+  auto line = [&y](const std::string& text) { y += text + "\n"; };
+  line("model: " + model_to_yaml(cfg.model));
+  const auto& rt = cfg.runtime;
+  line("runtime:");
+  line("  executable: " + q(rt.executable));
+  line("  tp_size: " + u(rt.tp_size));
+  line("  devices: " + list(rt.devices));
+  line("  kv_cache_bytes: " + u(rt.kv_cache_bytes));
+  line("  max_frame_bytes: " + u(rt.max_frame_bytes));
+  line("  kill_grace_ms: " + u(rt.kill_grace_ms));
+  line("  timeouts_ms:");
+  for (const auto& tf : timeout_fields())
+    line(std::string("    ") + tf.name + ": " + u(rt.timeouts_ms.*tf.member));
+  line("  faults: [" + std::string(rt.faults.empty() ? "]" : ""));
+  for (std::size_t i = 0; i < rt.faults.size(); ++i) {
+    const auto& x = rt.faults[i];
+    line("    {command: " + q(x.command) + ", kind: " + q(x.kind) + ", after: " + u(x.after)
+         + ", incarnation: " + u(x.incarnation) + "}" + (i + 1 < rt.faults.size() ? "," : "]"));
+  }
+  const auto& sv = cfg.supervisor;
+  line("supervisor:");
+  line("  max_restarts: " + u(sv.max_restarts));
+  line("  backoff_initial_ms: " + u(sv.backoff_initial_ms));
+  line("  backoff_max_ms: " + u(sv.backoff_max_ms));
+  line("  restart_window_ms: " + u(sv.restart_window_ms));
+  const auto& tr = cfg.trainer;
+  line("trainer:");
+  line("  devices: " + list(tr.devices));
+  line("  lr: " + f(tr.lr));
+  line("  init_scale: " + f(tr.init_scale));
+  line("  faults: [" + std::string(tr.faults.empty() ? "]" : ""));
+  for (std::size_t i = 0; i < tr.faults.size(); ++i) {
+    const auto& x = tr.faults[i];
+    line("    {rank: " + u(x.rank) + ", kind: " + q(x.kind) + ", tensor: " + q(x.tensor)
+         + ", chunk: " + u(x.chunk) + ", repeat: " + b(x.repeat) + "}"
+         + (i + 1 < tr.faults.size() ? "," : "]"));
+  }
+  const auto& pc = cfg.publication;
+  line("publication:");
+  line("  buffer_bytes: " + u(pc.buffer_bytes));
+  line("  buffer_count: " + u(pc.buffer_count));
+  line("  transport: " + q(pc.transport));
+  line("  verify: " + b(pc.verify));
+  line("  gate_deadline_ms: " + u(pc.gate_deadline_ms));
+  line("  memory_headroom_bytes: " + u(pc.memory_headroom_bytes));
+  line("  republish_attempts: " + u(pc.republish_attempts));
+  const auto& jb = cfg.job;
+  line("job:");
+  line("  iterations: " + u(jb.iterations));
+  line("  seed: " + u(jb.seed));
+  line("  prompts: " + list(jb.prompts));
+  line("  n: " + u(jb.n));
+  line("  max_tokens: " + u(jb.max_tokens));
+  line("  temperature: " + f(jb.temperature));
+  line("  top_k: " + u(static_cast<std::uint64_t>(jb.top_k)));
+  line("  top_p: " + f(jb.top_p));
+  line("  max_prompt_length: " + u(jb.max_prompt_length));
+  line("  parity_tolerance: " + f(jb.parity_tolerance));
+  line("journal:");
+  line("  enabled: " + b(cfg.journal.enabled));
+  line("  path: " + q(cfg.journal.path));
+  return y;
 }
 
 } // namespace refit::config

@@ -113,6 +113,13 @@ struct job_config {
   float parity_tolerance = 1e-3f;  // max |runtime logprob - trainer reference logprob|
 };
 
+// The actor journal (runtime/journal.hpp): every message the SyncCoordinator, ConsensusGate and
+// RolloutEngine process, their transitions and outputs, for refit-replay. Off by default.
+struct journal_config {
+  bool enabled = false;
+  std::string path = "refit-journal.bin"; // truncated when the rollout side is spawned
+};
+
 struct refit_config {
   model::model_config model;
   runtime_config runtime;
@@ -120,6 +127,7 @@ struct refit_config {
   trainer_config trainer;
   publication_config publication;
   job_config job;
+  journal_config journal;
 };
 
 // Parses YAML text. `origin` (file name or "<embedded>") prefixes error messages.
@@ -129,6 +137,10 @@ refit_config load_file(const std::string& path);
 // Cross-field checks (tp_size == devices.size(), model valid for tp, ...). parse_yaml
 // calls it; exposed for configs built in code.
 void validate(const refit_config& cfg);
+
+// The whole config as YAML that parse_yaml reads back to the same values (the journal header
+// carries it, so refit-replay rebuilds the same actors).
+std::string to_yaml(const refit_config& cfg);
 
 // The `model:` section alone (also how refit-runtime receives its model on the command
 // line): parse from YAML text whose top level is the model map, and render back.

@@ -53,14 +53,19 @@ public:
 
   // Returns a process exit code.
   int run(bool as_json) {
-    rollout_ = refit::spawn_rollout(sys_, cfg_, refit::make_runtime_proxy_factory(cfg_, runtime_exe_));
+    try {
+      rollout_ = refit::spawn_rollout(sys_, cfg_,
+                                      refit::make_runtime_proxy_factory(cfg_, runtime_exe_));
+    } catch (const std::exception& e) {
+      return fail(e.what()); // the journal file cannot be written
+    }
     refit::engine_status status;
     auto ready_within = std::chrono::milliseconds(cfg_.runtime.timeouts_ms.startup) + 10s;
     if (!refit::wait_until_ready(sys_, rollout_.engine, ready_within, &status)) {
       refit::shutdown_rollout(sys_, rollout_);
       return fail("the runtime did not become ready: " + status.last_error);
     }
-    publication_ = refit::spawn_publication(sys_, cfg_, rollout_.engine);
+    publication_ = refit::spawn_publication(sys_, cfg_, rollout_);
     int rc = loop(as_json);
     refit::shutdown_publication(publication_);
     refit::shutdown_rollout(sys_, rollout_);
@@ -277,6 +282,10 @@ int main(int argc, char** argv) {
                  "(e.g. trainer:1:never_report:0); see configs/tiny-cpu.yaml and docs/operations.md "
                  "for the kinds. With publication.republish_attempts > 0 the coordinator "
                  "republishes on the restarted runtime.");
+  std::string journal_path;
+  app.add_option("--journal", journal_path,
+                 "record the actor journal of the coordinator-side actors to FILE (sets "
+                 "journal.enabled and journal.path); check it with refit-replay FILE");
   CLI11_PARSE(app, argc, argv);
 
   refit::config::refit_config cfg;
@@ -291,6 +300,10 @@ int main(int argc, char** argv) {
   }
   if (iterations > 0)
     cfg.job.iterations = iterations;
+  if (!journal_path.empty()) {
+    cfg.journal.enabled = true;
+    cfg.journal.path = journal_path;
+  }
   try {
     for (const auto& f : faults)
       add_fault(cfg, f);

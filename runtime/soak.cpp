@@ -255,7 +255,7 @@ void soak_run::start() {
   if (!wait_until_ready(*sys_, rollout_.engine, timeout, &st))
     throw soak_error("the runtime did not become ready: "
                      + (st.last_error.empty() ? std::string("no error reported") : st.last_error));
-  pub_ = spawn_publication(*sys_, cfg_, rollout_.engine);
+  pub_ = spawn_publication(*sys_, cfg_, rollout_);
   runtime_pids_.insert(runtime_pid());
 }
 

@@ -72,7 +72,10 @@ struct fake_script {
   // init_weight_transfer, start_weight_update, update_weights, finish_weight_update,
   // release_ipc, reset_prefix_cache, shutdown).
   std::map<std::string, caf::error> fail;  // answer this command with this error
+  std::map<std::string, caf::error> die;   // answer with this error and quit with it (a crashed
+                                           // runtime or a broken channel, as the real proxy does)
   std::set<std::string> hold;              // never answer until release_held_atom
+  std::map<std::string, std::size_t> skip; // fail/die/hold apply only after this many occurrences
   bool defer_poison = false;               // log poison, answer + quit only on release
 
   // Tamper with an answer after the honest state update (to send inconsistent answers).
@@ -117,10 +120,26 @@ using fake_self = fake_proxy_actor::stateful_pointer<fake_proxy_state>;
 
 namespace detail {
 
+inline void fail_held(fake_self self, const caf::error& err);
+
+// Whether the scripted faults of `cmd` apply to its current (just logged) occurrence.
+inline bool fake_armed(const fake_script& sc, const std::string& cmd) {
+  auto i = sc.skip.find(cmd);
+  return i == sc.skip.end() || sc.count(cmd) > i->second;
+}
+
 // Logs the command; returns the scripted failure, if any.
 inline caf::error fake_begin(fake_self self, const std::string& cmd) {
   auto& sc = *self->state.script;
   sc.log.push_back(cmd);
+  if (!fake_armed(sc, cmd))
+    return {};
+  if (auto d = sc.die.find(cmd); d != sc.die.end()) {
+    auto err = d->second;
+    fail_held(self, err);
+    self->quit(err);
+    return err;
+  }
   auto i = sc.fail.find(cmd);
   if (i != sc.fail.end())
     return i->second;
@@ -131,7 +150,7 @@ inline caf::error fake_begin(fake_self self, const std::string& cmd) {
 template <class T>
 caf::result<T> fake_answer(fake_self self, const std::string& cmd, T value) {
   auto& sc = *self->state.script;
-  if (sc.hold.count(cmd) == 0)
+  if (sc.hold.count(cmd) == 0 || !fake_armed(sc, cmd))
     return value;
   auto rp = self->make_response_promise<T>();
   self->state.held.push_back({[rp, value]() mutable { rp.deliver(value); },

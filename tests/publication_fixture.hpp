@@ -63,7 +63,7 @@ protected:
     rollout = spawn_rollout(*sys, cfg, make_runtime_proxy_factory(cfg, REFIT_RUNTIME_EXE));
     engine_status st;
     ASSERT_TRUE(wait_until_ready(*sys, rollout.engine, 20s, &st)) << st.last_error;
-    pub = spawn_publication(*sys, cfg, rollout.engine);
+    pub = spawn_publication(*sys, cfg, rollout);
     // A rank answers describe once its worker thread has allocated its shards.
     for (const auto& r : pub.ranks)
       ASSERT_TRUE(ask<rank_info>(r, describe_atom::value));

@@ -212,7 +212,7 @@ TEST(ConfigRanges, TwoRuntimeFaultsOnOneOccurrenceAreRejected) {
 
 TEST(ConfigKeys, UnknownTopLevelKey) {
   expect_error(tiny_model + "jobs: {iterations: 2}\n", "jobs",
-               "unknown key (known keys: model, runtime, supervisor, trainer, publication, job)");
+               "unknown key (known keys: model, runtime, supervisor, trainer, publication, job, journal)");
 }
 
 TEST(ConfigKeys, UnknownNestedKey) {
@@ -468,6 +468,76 @@ TEST(ConfigModel, ModelYamlErrorsUseModelKeys) {
     EXPECT_EQ(e.key, "model.hidden_size");
     EXPECT_THAT(e.what(), HasSubstr("expected an unsigned integer, got 'big' (at <argv>:1:15)"));
   }
+}
+
+// --- journal section and the whole config as YAML ----------------------------------------
+
+TEST(ConfigJournal, OffByDefaultAndParsed) {
+  auto off = config::parse_yaml(tiny_model);
+  EXPECT_FALSE(off.journal.enabled);
+  EXPECT_EQ(off.journal.path, "refit-journal.bin");
+  auto on = config::parse_yaml(tiny_model + "journal: {enabled: true, path: /tmp/x.journal}\n");
+  EXPECT_TRUE(on.journal.enabled);
+  EXPECT_EQ(on.journal.path, "/tmp/x.journal");
+}
+
+TEST(ConfigJournal, StrictKeysTypesAndPath) {
+  expect_error(tiny_model + "journal: {enable: true}\n", "journal.enable",
+               "unknown key (known keys: enabled, path) (at test.yaml:2:11)");
+  expect_error(tiny_model + "journal: {enabled: \"yes\"}\n", "journal.enabled",
+               "expected true or false, got the quoted string 'yes' (at test.yaml:2:20)");
+  expect_error(tiny_model + "journal: {enabled: true, path: [a]}\n", "journal.path",
+               "expected a string, got a sequence");
+  expect_error(tiny_model + "journal: {enabled: true, path: \"\"}\n", "journal.path",
+               "must not be empty when journal.enabled is true (at test.yaml:2:32)");
+}
+
+// Everything parse_yaml reads, compared through the renderer (to_yaml is deterministic).
+void expect_round_trip(const config::refit_config& cfg) {
+  const std::string text = config::to_yaml(cfg);
+  config::refit_config back;
+  ASSERT_NO_THROW(back = config::parse_yaml(text, "<to_yaml>")) << text;
+  EXPECT_EQ(config::to_yaml(back), text);
+  expect_same_model(back.model, cfg.model);
+  EXPECT_EQ(back.runtime.devices, cfg.runtime.devices);
+  EXPECT_EQ(back.runtime.timeouts_ms.update_weights, cfg.runtime.timeouts_ms.update_weights);
+  EXPECT_EQ(back.trainer.lr, cfg.trainer.lr);
+  EXPECT_EQ(back.trainer.init_scale, cfg.trainer.init_scale);
+  EXPECT_EQ(back.job.prompts, cfg.job.prompts);
+  EXPECT_EQ(back.job.temperature, cfg.job.temperature);
+  EXPECT_EQ(back.publication.buffer_bytes, cfg.publication.buffer_bytes);
+  EXPECT_EQ(back.journal.path, cfg.journal.path);
+}
+
+TEST(ConfigYaml, EveryShippedRecipeRoundTrips) {
+  for (const char* file :
+       {"/configs/tiny-cpu.yaml", "/configs/bench-cpu.yaml", "/configs/qwen3-30b-a3b.yaml"})
+    expect_round_trip(config::load_file(source_dir + file));
+}
+
+TEST(ConfigYaml, OddValuesRoundTrip) {
+  auto cfg = config::parse_yaml(tiny_model + tp2_runtime);
+  cfg.runtime.executable = "/opt/refit bin/refit-runtime";
+  cfg.runtime.faults = {{"update_weights", "sigkill", 2, 1}, {"release_ipc", "stall", 0, 0}};
+  cfg.trainer.devices = {"cpu:1", "cpu:0"};
+  cfg.trainer.lr = 0.1f + 0.2f;
+  cfg.trainer.init_scale = 1.0f / 3.0f;
+  cfg.trainer.faults = {{1, "drop_tensor", "model.norm.weight", 0, true}, {0, "never_report", "", 3}};
+  cfg.job.prompts = {"quote \" and \\ backslash", "tab\there: colon, [brackets] {braces}",
+                     "null", "true", "# not a comment", "caf\xc3\xa9 \x01 control"};
+  cfg.job.temperature = 0.7f;
+  cfg.job.top_k = 40;
+  cfg.journal = {true, "/tmp/refit journal.bin"};
+  config::validate(cfg);
+  expect_round_trip(cfg);
+  auto back = config::parse_yaml(config::to_yaml(cfg));
+  ASSERT_EQ(back.runtime.faults.size(), 2u);
+  EXPECT_EQ(back.runtime.faults[1].incarnation, 0u);
+  ASSERT_EQ(back.trainer.faults.size(), 2u);
+  EXPECT_TRUE(back.trainer.faults[0].repeat);
+  EXPECT_EQ(back.trainer.faults[1].chunk, 3u);
+  EXPECT_EQ(back.runtime.executable, cfg.runtime.executable);
+  EXPECT_TRUE(back.journal.enabled);
 }
 
 // --- syntax and files ---------------------------------------------------------------------------
