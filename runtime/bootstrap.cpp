@@ -94,17 +94,22 @@ publication_handles spawn_publication(caf::actor_system& sys, const config::refi
     h.ranks.push_back(sys.spawn(trainer_rank, std::move(o)));
   }
   caf::anon_send(h.gate, attach_atom::value, h.ranks);
+  h.coordinator = sys.spawn(sync_coordinator, make_sync_coordinator_options(cfg), engine, h.gate,
+                            h.ranks);
+  return h;
+}
+
+sync_coordinator_options make_sync_coordinator_options(const config::refit_config& cfg) {
   sync_coordinator_options so;
   so.model = cfg.model;
   so.publication = cfg.publication;
   so.timeouts_ms = cfg.runtime.timeouts_ms;
   so.kill_grace_ms = cfg.runtime.kill_grace_ms;
-  so.weights = weights;
+  so.weights = {cfg.job.seed, cfg.trainer.lr, cfg.trainer.init_scale};
   // A republish waits for the supervisor's whole restart schedule plus one startup.
   so.restart_wait_ms = cfg.runtime.timeouts_ms.startup
                        + cfg.supervisor.backoff_max_ms * (cfg.supervisor.max_restarts + 1) + 10000;
-  h.coordinator = sys.spawn(sync_coordinator, so, engine, h.gate, h.ranks);
-  return h;
+  return so;
 }
 
 void shutdown_publication(const publication_handles& h) {

@@ -10,6 +10,7 @@
 
 #include "actors/interfaces.hpp"
 #include "actors/rollout_supervisor.hpp"
+#include "actors/sync_coordinator.hpp"
 #include "runtime/config.hpp"
 
 namespace refit {
@@ -41,6 +42,11 @@ struct publication_handles {
 publication_handles spawn_publication(caf::actor_system& sys, const config::refit_config& cfg,
                                       const rollout_engine_actor& engine);
 void shutdown_publication(const publication_handles& h);
+
+// The SyncCoordinator's options for `cfg` (spawn_publication's, and every epoch's coordinator
+// of a multi-process deployment): the recipe's publication settings and timeouts, its
+// synthetic weights for the verifier, and how long a republish waits for a fresh runtime.
+sync_coordinator_options make_sync_coordinator_options(const config::refit_config& cfg);
 
 // Blocks (from a non-actor thread) until the engine reports IDLE with a runtime attached, or
 // until `timeout`; returns the last status and whether it became ready.
