@@ -9,6 +9,7 @@
 
 #include <iostream>
 #include <optional>
+#include <thread>
 
 #include <caf/actor_system.hpp>
 #include <caf/actor_system_config.hpp>
@@ -284,11 +285,24 @@ error host::impl::connect_steps() {
     embedded = *services;
     registry = embedded->registry;
   } else {
-    auto r = net::connect_registry(*sys, cfg.serve, cfg.serve.host,
-                                   static_cast<std::uint16_t>(cfg.serve.port), join_timeout);
-    if (!r)
-      return fail(from_caf(r.error()));
-    registry = *r;
+    // Trainer processes may start before the coordinator listens (torchrun starts them all at
+    // once): a refused connection is tried again until serve.join_timeout_ms has passed.
+    auto deadline = std::chrono::steady_clock::now() + join_timeout;
+    for (;;) {
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+      auto r = net::connect_registry(*sys, cfg.serve, cfg.serve.host,
+                                     static_cast<std::uint16_t>(cfg.serve.port),
+                                     std::max(left, std::chrono::milliseconds(1)));
+      if (r) {
+        registry = *r;
+        break;
+      }
+      if (static_cast<errc>(r.error().code()) != errc::coordinator_unreachable
+          || std::chrono::steady_clock::now() + std::chrono::milliseconds(100) >= deadline)
+        return fail(from_caf(r.error()));
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
   }
 
   caf::scoped_actor self{*sys};

@@ -108,9 +108,10 @@ public:
   // The recipe's synthetic weights: job.seed, trainer.lr, trainer.init_scale, step 0.
   synthetic_weights recipe_weights() const;
   // Connects to the coordinator at serve.host:serve.port (rank 0 with serve.embedded first
-  // starts it in this process) and joins as the registered rank: protocol version and shared
-  // secret are checked by the coordinator; a refusal comes back as the typed error
-  // ("unauthorized", "protocol_mismatch", "join_refused", "coordinator_unreachable").
+  // starts it in this process; a refused connection is retried until serve.join_timeout_ms)
+  // and joins as the registered rank: protocol version and shared secret are checked by the
+  // coordinator; a refusal comes back as the typed error ("unauthorized", "protocol_mismatch",
+  // "join_refused", "coordinator_unreachable").
   error connect();
   // One optimizer step of the weight source; answers the new step number. Refused while a
   // publication of this rank is open.
