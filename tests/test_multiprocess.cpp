@@ -50,6 +50,7 @@ struct recipe_options {
   std::uint32_t republish_attempts = 1;
   std::uint32_t join_timeout_ms = 10000;
   std::string tls;                     // YAML flow map for serve.tls
+  std::string runtime_faults;          // YAML flow sequence for runtime.faults
 };
 
 std::uint16_t free_port() {
@@ -95,7 +96,8 @@ protected:
     std::ofstream(path)
       << "model: " << config::model_to_yaml(tiny.model) << "\n"
       << "runtime: {executable: " << REFIT_RUNTIME_EXE
-      << ", tp_size: 2, devices: [cpu:0, cpu:1], kill_grace_ms: 300}\n"
+      << ", tp_size: 2, devices: [cpu:0, cpu:1], kill_grace_ms: 300"
+      << (o.runtime_faults.empty() ? "" : ", faults: " + o.runtime_faults) << "}\n"
       << "supervisor: {max_restarts: 3, backoff_initial_ms: 20, backoff_max_ms: 100}\n"
       << "trainer: {lr: 0.001, init_scale: 0.02"
       << (o.trainer_faults.empty() ? "" : ", faults: " + o.trainer_faults) << "}\n"
@@ -399,6 +401,26 @@ TEST_F(MultiProcess, TrainerKilledDuringMaterializationFailsEveryRankAndRejoins)
   expect_byte_exact(next[0], 2, 2);
   EXPECT_THAT(coordinator->stderr_text(), HasSubstr("rank 1 (pid "));
   EXPECT_THAT(coordinator->stderr_text(), HasSubstr("membership complete: 2 ranks, epoch 2"));
+  quit(t0);
+  quit(t1);
+  stop_coordinator_cleanly();
+}
+
+TEST_F(MultiProcess, RuntimeFaultIsRepublishedWithTheRemoteRanks) {
+  recipe_options o;
+  o.runtime_faults = "[{command: update_weights, kind: sigkill, after: 1}]";
+  auto recipe = write_recipe("recipe.yaml", o);
+  start_coordinator(recipe);
+  auto first = runtime_pid(coordinator->pid());
+  auto t0 = trainer(recipe, 0);
+  auto t1 = trainer(recipe, 1);
+  command(*t0, "step");
+  command(*t1, "step");
+  auto res = publish_all({t0.get(), t1.get()}, 1);
+  expect_byte_exact(res[0], 1, 1);
+  expect_byte_exact(res[1], 1, 1);
+  EXPECT_EQ(res[0]["attempts"], 2) << "the killed runtime was replaced and the version republished";
+  EXPECT_TRUE(gone_within(first, 5s));
   quit(t0);
   quit(t1);
   stop_coordinator_cleanly();
