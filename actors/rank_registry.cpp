@@ -132,6 +132,19 @@ caf::error lost_error(const publish_run& run, const std::string& detail) {
   return make_refit_error(errc::rank_lost, "rank " + std::to_string(*run.lost_rank), msg);
 }
 
+// A step of run `seq` failed with `err`: the run ends with it, or with rank_lost when a rank
+// left meanwhile (its loss is then the cause: e.g. the epoch's coordinator was shut down).
+void fail_run(self_ptr self, std::uint64_t seq, const caf::error& err) {
+  auto& st = self->state;
+  if (!st.run || st.run->seq != seq)
+    return;
+  if (st.run->lost_rank)
+    return finish(self, lost_error(*st.run, st.run->publish_sent
+                                              ? "the publication failed: " + render(err)
+                                              : "nothing was published"));
+  finish(self, err);
+}
+
 void step_schedule(self_ptr self, std::uint64_t seq);
 
 // Waits (polling) for the runtime to be IDLE: right after a failure the supervisor is still
@@ -159,10 +172,7 @@ void poll_ready(self_ptr self, std::uint64_t seq) {
                                                  + " ms (last error: " + s.last_error + ")"));
         self->delayed_send(self, poll_interval, restart_atom::value, seq);
       },
-      [self, seq](caf::error& err) {
-        if (self->state.run && self->state.run->seq == seq)
-          finish(self, err);
-      });
+      [self, seq](caf::error& err) { fail_run(self, seq, err); });
 }
 
 // A rank left while the SyncCoordinator runs the publication: wait until the coordinator
@@ -254,15 +264,10 @@ void send_publish(self_ptr self, std::uint64_t seq) {
                               std::string("the publication overran serve.publish_timeout_ms"))
                   .then([](engine_status&) {}, [](caf::error&) {});
               }
-              if (st.run->lost_rank)
-                return finish(self, lost_error(*st.run, "the publication failed: " + render(err)));
-              finish(self, err);
+              fail_run(self, seq, err);
             });
       },
-      [self, seq](caf::error& err) {
-        if (self->state.run && self->state.run->seq == seq)
-          finish(self, err);
-      });
+      [self, seq](caf::error& err) { fail_run(self, seq, err); });
 }
 
 // The colocated schedule around the publication: sleep(2) -> wake(weights) -> publish.
@@ -288,15 +293,9 @@ void step_schedule(self_ptr self, std::uint64_t seq) {
                 return finish(self, lost_error(*st.run, "nothing was published"));
               send_publish(self, seq);
             },
-            [self, seq](caf::error& err) {
-              if (self->state.run && self->state.run->seq == seq)
-                finish(self, err);
-            });
+            [self, seq](caf::error& err) { fail_run(self, seq, err); });
       },
-      [self, seq](caf::error& err) {
-        if (self->state.run && self->state.run->seq == seq)
-          finish(self, err);
-      });
+      [self, seq](caf::error& err) { fail_run(self, seq, err); });
 }
 
 // Every rank asked for the same version: run it.
