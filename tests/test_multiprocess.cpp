@@ -188,7 +188,7 @@ protected:
       ASSERT_EQ(got["checksums"].size(), expected[w].checksums.size());
       for (std::size_t i = 0; i < expected[w].checksums.size(); ++i) {
         EXPECT_EQ(got["checksums"][i][0], expected[w].checksums[i].name);
-        EXPECT_EQ(got["checksums"][i][1], expected[w].checksums[i].sha256)
+        EXPECT_EQ(got["checksums"][i][1], expected[w].checksums[i].digest)
           << "TP worker " << w << " " << expected[w].checksums[i].name << " at step " << step;
       }
     }
