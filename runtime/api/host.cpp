@@ -265,7 +265,6 @@ error host::impl::connect_steps() {
     return from_config(e);
   }
   sys = std::make_unique<caf::actor_system>(*sys_cfg);
-  auto fail = [](error e) { return e; };
 
   // The coordinator: in this process (serve.embedded, rank 0) or reached over the network.
   if (cfg.serve.embedded && rank->rank == 0) {
@@ -274,14 +273,14 @@ error host::impl::connect_steps() {
       exe = proc::resolve_executable(options.runtime_executable.empty() ? cfg.runtime.executable
                                                                         : options.runtime_executable);
     } catch (const std::exception& e) {
-      return fail(api_error("invalid_argument", "runtime.executable", e.what()));
+      return api_error("invalid_argument", "runtime.executable", e.what());
     }
     auto log = [prefix = "refit[" + std::to_string(::getpid()) + "] coordinator: "](const std::string& line) {
       std::cerr << prefix + line + "\n" << std::flush;
     };
     auto services = serve::start_coordinator(*sys, cfg, exe, static_cast<std::uint16_t>(cfg.serve.port), log);
     if (!services)
-      return fail(from_caf(services.error()));
+      return from_caf(services.error());
     embedded = *services;
     registry = embedded->registry;
   } else {
@@ -300,7 +299,7 @@ error host::impl::connect_steps() {
       }
       if (static_cast<errc>(r.error().code()) != errc::coordinator_unreachable
           || std::chrono::steady_clock::now() + std::chrono::milliseconds(100) >= deadline)
-        return fail(from_caf(r.error()));
+        return from_caf(r.error());
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
   }
@@ -314,22 +313,22 @@ error host::impl::connect_steps() {
     .receive([&](welcome& x, consensus_gate_actor& g) { w = std::move(x), gate = std::move(g); },
              [&](caf::error& e) { err = std::move(e); });
   if (err)
-    return fail(err == caf::sec::request_timeout
-                  ? api_error("coordinator_unreachable", address,
-                              "no answer to hello within serve.join_timeout_ms")
-                  : from_caf(err));
+    return err == caf::sec::request_timeout
+             ? api_error("coordinator_unreachable", address,
+                         "no answer to hello within serve.join_timeout_ms")
+             : from_caf(err);
   if (w.world != rank->world)
-    return fail(api_error("join_refused", "rank.world",
-                          "the coordinator (" + w.coordinator + ") serves " + std::to_string(w.world)
-                            + " trainer ranks, this process was started for "
-                            + std::to_string(rank->world)));
+    return api_error("join_refused", "rank.world",
+                     "the coordinator (" + w.coordinator + ") serves " + std::to_string(w.world)
+                       + " trainer ranks, this process was started for "
+                       + std::to_string(rank->world));
 
   // This rank: its all-gather endpoint, its TrainerRank and its TrainerHost.
   try {
     group = std::make_shared<refit::publication::shm_group>(
       std::make_shared<refit::publication::shm_endpoint>(rank->rank));
   } catch (const std::exception& e) {
-    return fail(api_error("spawn_failed", "collective", e.what()));
+    return api_error("spawn_failed", "collective", e.what());
   }
   trainer_rank_options ro;
   ro.rank = rank->rank;
@@ -349,7 +348,7 @@ error host::impl::connect_steps() {
     self->request(rank_actor, std::chrono::minutes(10), step_atom::value)
       .receive([](std::uint64_t) {}, [&](caf::error& e) { err = std::move(e); });
     if (err)
-      return fail(from_caf(err));
+      return from_caf(err);
   }
   auto b = serve::bounds_of(cfg);
   trainer_host_options ho;
@@ -377,10 +376,10 @@ error host::impl::connect_steps() {
   self->request(registry, join_timeout, join_atom::value, req, rank_actor, host_actor)
     .receive([](join_ack&) {}, [&](caf::error& e) { err = std::move(e); });
   if (err)
-    return fail(err == caf::sec::request_timeout
-                  ? api_error("coordinator_unreachable", address,
-                              "no answer to join within serve.join_timeout_ms")
-                  : from_caf(err));
+    return err == caf::sec::request_timeout
+             ? api_error("coordinator_unreachable", address,
+                         "no answer to join within serve.join_timeout_ms")
+             : from_caf(err);
   connected = true;
   return {};
 }
