@@ -442,6 +442,25 @@ TEST_F(MultiProcess, RankLostWhileOthersWaitAtTheBarrier) {
   stop_coordinator_cleanly();
 }
 
+TEST_F(MultiProcess, FrozenTrainerIsDeclaredGoneByHeartbeats) {
+  auto recipe = write_recipe("recipe.yaml", {});
+  start_coordinator(recipe);
+  auto t0 = trainer(recipe, 0);
+  auto t1 = trainer(recipe, 1);
+  t1->signal(SIGSTOP); // alive, connection open, but silent
+  auto t = std::chrono::steady_clock::now();
+  auto res = command(*t0, "publish 1", 60s);
+  auto took = std::chrono::steady_clock::now() - t;
+  EXPECT_EQ(res["error"]["code"], "rank_lost") << res.dump();
+  EXPECT_THAT(res["error"]["message"].get<std::string>(), HasSubstr("remote_link_unreachable"));
+  EXPECT_GT(took, 5s) << "declared dead by the BASP connection timeout (10 s), not at once";
+  EXPECT_LT(took, 30s);
+  t1->signal(SIGKILL);
+  t1->wait(5s);
+  quit(t0);
+  stop_coordinator_cleanly();
+}
+
 TEST_F(MultiProcess, BarrierTimeoutNamesTheRankThatNeverPublished) {
   recipe_options o;
   o.barrier_ms = 1500;

@@ -18,7 +18,7 @@
 // ("rank_lost"; publish again once it rejoined), the coordinator gone ("coordinator_lost"), a
 // rank that never called publish ("barrier_timeout"), or any publication failure of the
 // coordinator ("gate_failed", "verification_failed", ...). Every wait is bounded by the
-// recipe's serve and publication timeouts.
+// recipe's serve and publication timeouts. A host is used from one thread at a time.
 #pragma once
 
 #include <cstdint>
