@@ -1,5 +1,7 @@
 #include "actors/consensus_gate.hpp"
 
+#include <set>
+
 #include <caf/stateful_actor.hpp>
 #include <caf/typed_event_based_actor.hpp>
 
@@ -58,13 +60,42 @@ void absorb(self_ptr self, const rank_report& r) {
   ++st.passed;
 }
 
+// Why rank `r` cannot take part: it went away since the last attach.
+std::string gone_message(std::uint32_t r, const std::string& reason) {
+  return "trainer rank " + std::to_string(r) + " is gone (" + reason + ")";
+}
+
 } // namespace
 
 consensus_gate_actor::behavior_type consensus_gate(self_ptr self, consensus_gate_options opts) {
   self->state.opts = std::move(opts);
+  self->set_down_handler([self](caf::down_msg& dm) {
+    auto& st = self->state;
+    for (std::uint32_t r = 0; r < st.ranks.size(); ++r) {
+      if (st.ranks[r].address() != dm.source)
+        continue;
+      st.gone[r] = render(dm.reason);
+      std::set<std::string> pubs;
+      for (const auto& [phase, round] : st.open)
+        if (r < round.world)
+          pubs.insert(phase.publication_id);
+      for (const auto& pub : pubs)
+        for (const auto& [phase, round] : st.open)
+          if (phase.publication_id == pub) {
+            fail(self, phase, r, gone_message(r, st.gone[r]));
+            break;
+          }
+    }
+  });
   return {
     [=](attach_atom, std::vector<trainer_rank_actor>& ranks) {
-      self->state.ranks = std::move(ranks);
+      auto& st = self->state;
+      for (const auto& r : st.ranks)
+        self->demonitor(r.address());
+      st.ranks = std::move(ranks);
+      st.gone.clear();
+      for (const auto& r : st.ranks)
+        self->monitor(r);
     },
     [=](open_atom, const phase_id& phase, std::uint32_t world,
         std::uint32_t deadline_ms) -> caf::result<std::vector<rank_report>> {
@@ -81,6 +112,11 @@ consensus_gate_actor::behavior_type consensus_gate(self_ptr self, consensus_gate
       round.world = world;
       round.deadline_ms = deadline_ms;
       round.rp = rp;
+      for (const auto& [r, reason] : st.gone)
+        if (r < world) {
+          fail(self, phase, r, gone_message(r, reason));
+          return rp;
+        }
       self->delayed_send(self, std::chrono::milliseconds(deadline_ms), deadline_atom::value,
                          phase);
       if (auto e = st.early.find(phase); e != st.early.end()) {

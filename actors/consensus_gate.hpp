@@ -3,6 +3,9 @@
 // first failure, or a rank missing at the deadline, becomes one gate_failure (phase, rank,
 // error) that fails the request and is sent to every rank as `abort` — so no rank advances to
 // a later collective after another failed. Reports for a failed publication are dropped.
+// The gate monitors the ranks it is attached to: a rank that goes away (its process died or its
+// connection was lost, in a multi-process deployment) fails every open round at once, and every
+// later round until the next attach, naming the rank instead of waiting for the deadline.
 #pragma once
 
 #include <cstdint>
@@ -31,7 +34,8 @@ struct consensus_gate_state {
   };
 
   consensus_gate_options opts;
-  std::vector<trainer_rank_actor> ranks;
+  std::vector<trainer_rank_actor> ranks;   // monitored: a rank that goes away fails its rounds
+  std::map<std::uint32_t, std::string> gone; // rank -> why it went away (since the last attach)
   std::map<phase_id, round> open;
   std::map<phase_id, std::vector<rank_report>> early; // arrived before `open`
   std::set<std::string> failed;                       // publications that failed

@@ -8,6 +8,7 @@
 #include <caf/replies_to.hpp>
 #include <caf/typed_actor.hpp>
 
+#include "messages/net_type_ids.hpp"
 #include "messages/type_ids.hpp"
 
 namespace refit {
@@ -94,5 +95,29 @@ using consensus_gate_actor = caf::typed_actor<
 using sync_coordinator_actor = caf::typed_actor<
   caf::replies_to<publish_atom, std::uint64_t>::with<publication_result>,
   caf::replies_to<status_atom>::with<coordinator_status>>;
+
+// ---- multi-process deployment (refit-coordinator serve / trainer processes)
+
+// TrainerHost: one per trainer process, next to its TrainerRank (embedding API). It holds the
+// member table the coordinator pushes (it feeds the cross-process all-gather), waits until
+// every rank joined, and forwards the caller's collective publish to the RankRegistry. If the
+// coordinator goes away, every waiting and later publish fails with coordinator_lost.
+using trainer_host_actor = caf::typed_actor<
+  // From the RankRegistry: the member table changed (complete or not).
+  caf::reacts_to<members_atom, membership>,
+  // From the local caller: this rank's share of publish(model_version).
+  caf::replies_to<publish_atom, std::uint64_t>::with<publication_result>,
+  caf::replies_to<status_atom>::with<host_status>>;
+
+// RankRegistry: the actor `refit-coordinator serve` publishes on its port (the join actor).
+// Every request checks the shared secret or the sender; a hello or join with another protocol
+// version or a wrong token is refused with a typed error and logged. It owns the membership
+// (monitoring every joined rank and host), spawns one SyncCoordinator per complete membership,
+// and runs a publication once every rank asked for the same version.
+using rank_registry_actor = caf::typed_actor<
+  caf::replies_to<hello_atom, std::uint32_t, std::string>::with<welcome, consensus_gate_actor>,
+  caf::replies_to<join_atom, join_request, trainer_rank_actor, trainer_host_actor>::with<join_ack>,
+  caf::replies_to<publish_atom, publish_request>::with<publication_result>,
+  caf::replies_to<status_atom, std::string>::with<registry_status>>;
 
 } // namespace refit

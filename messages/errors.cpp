@@ -36,6 +36,13 @@ const char* to_string(errc code) {
     case errc::gate_failed: return "gate_failed";
     case errc::manifest_mismatch: return "manifest_mismatch";
     case errc::verification_failed: return "verification_failed";
+    case errc::unauthorized: return "unauthorized";
+    case errc::protocol_mismatch: return "protocol_mismatch";
+    case errc::join_refused: return "join_refused";
+    case errc::rank_lost: return "rank_lost";
+    case errc::coordinator_lost: return "coordinator_lost";
+    case errc::coordinator_unreachable: return "coordinator_unreachable";
+    case errc::barrier_timeout: return "barrier_timeout";
   }
   return "unknown";
 }

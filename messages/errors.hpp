@@ -44,6 +44,14 @@ enum class errc : std::uint8_t {
   gate_failed,             // a rank failed or missed a phase; every rank got the same failure
   manifest_mismatch,       // a rank's actual manifest differs from the expected plan
   verification_failed,     // byte-exact checksums differ from the trainer's weights
+  // Multi-process deployment (refit-coordinator serve, trainer processes over CAF's network).
+  unauthorized = 70,       // hello/join/status without the right shared secret
+  protocol_mismatch,       // the peer speaks another refit wire protocol (version or interface)
+  join_refused,            // rank out of range or already joined, another world size or model
+  rank_lost,               // a trainer rank's process left while a publish was waiting or running
+  coordinator_lost,        // the coordinator went away (process died, connection lost)
+  coordinator_unreachable, // no coordinator answered at the configured address in time
+  barrier_timeout,         // not every rank called publish(v) within serve.publish_barrier_ms
 };
 
 const char* to_string(errc code);

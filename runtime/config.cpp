@@ -66,6 +66,7 @@ constexpr std::uint32_t kill_grace_max_ms = 60000;
 constexpr std::uint64_t frame_bytes_min = 4096;
 constexpr std::uint64_t frame_bytes_max = std::uint64_t{1} << 30;
 constexpr std::uint64_t kv_cache_bytes_min = 4096;
+constexpr std::size_t min_token_chars = 16;
 
 std::string join(const std::vector<std::string>& items) {
   std::string out;
@@ -513,6 +514,47 @@ void read_journal(yaml_reader& r, const YAML::Node& node, const std::string& pat
   });
 }
 
+void read_tls(yaml_reader& r, const YAML::Node& node, const std::string& path, tls_config& t) {
+  r.read_map(node, path, {
+    {"enabled", [&](const YAML::Node& v, const std::string& p) { t.enabled = r.boolean(v, p); }},
+    {"certificate",
+     [&](const YAML::Node& v, const std::string& p) { t.certificate = r.string(v, p); }},
+    {"key", [&](const YAML::Node& v, const std::string& p) { t.key = r.string(v, p); }},
+    {"passphrase",
+     [&](const YAML::Node& v, const std::string& p) { t.passphrase = r.string(v, p); }},
+    {"cafile", [&](const YAML::Node& v, const std::string& p) { t.cafile = r.string(v, p); }},
+  });
+}
+
+void read_serve(yaml_reader& r, const YAML::Node& node, const std::string& path,
+                serve_config& s) {
+  s.present = true;
+  r.read_map(node, path, {
+    {"host", [&](const YAML::Node& v, const std::string& p) { s.host = r.string(v, p); }},
+    {"port", [&](const YAML::Node& v, const std::string& p) { s.port = r.u32(v, p); }},
+    {"token", [&](const YAML::Node& v, const std::string& p) { s.token = r.string(v, p); }},
+    {"token_env",
+     [&](const YAML::Node& v, const std::string& p) { s.token_env = r.string(v, p); }},
+    {"world_size",
+     [&](const YAML::Node& v, const std::string& p) { s.world_size = r.u32(v, p); }},
+    {"embedded", [&](const YAML::Node& v, const std::string& p) { s.embedded = r.boolean(v, p); }},
+    {"join_timeout_ms",
+     [&](const YAML::Node& v, const std::string& p) { s.join_timeout_ms = r.u32(v, p); }},
+    {"publish_barrier_ms",
+     [&](const YAML::Node& v, const std::string& p) { s.publish_barrier_ms = r.u32(v, p); }},
+    {"publish_timeout_ms",
+     [&](const YAML::Node& v, const std::string& p) { s.publish_timeout_ms = r.u32(v, p); }},
+    {"tls", [&](const YAML::Node& v, const std::string& p) { read_tls(r, v, p, s.tls); }},
+  });
+}
+
+bool is_env_name(const std::string& name) {
+  if (name.empty() || std::isdigit(static_cast<unsigned char>(name[0])))
+    return false;
+  return name.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_")
+         == std::string::npos;
+}
+
 // ---------------------------------------------------------------------------------------
 // Validation
 // ---------------------------------------------------------------------------------------
@@ -663,6 +705,49 @@ void validate_config(const refit_config& cfg, const locator& locate) {
 
   if (cfg.journal.enabled && cfg.journal.path.empty())
     fail("journal.path", "must not be empty when journal.enabled is true");
+  const serve_config& srv = cfg.serve;
+  if (srv.host.empty() || srv.host.find_first_of(" \t\r\n") != std::string::npos)
+    fail("serve.host", "'" + srv.host + "' is not a host name or address");
+  check_range("serve.port", srv.port, 0, 65535);
+  if (!srv.token.empty() && !srv.token_env.empty())
+    fail("serve.token", "set exactly one of serve.token and serve.token_env, not both");
+  if (srv.present && srv.token.empty() && srv.token_env.empty())
+    fail("serve.token_env", "a shared secret is required to join: set serve.token_env (the "
+                            "name of an environment variable) or serve.token");
+  if (!srv.token.empty() && srv.token.size() < min_token_chars)
+    fail("serve.token", "the shared secret has " + std::to_string(srv.token.size())
+                          + " characters; at least " + std::to_string(min_token_chars)
+                          + " are required");
+  if (!srv.token_env.empty() && !is_env_name(srv.token_env))
+    fail("serve.token_env", "'" + srv.token_env + "' is not an environment variable name");
+  if (srv.world_size != 0 && srv.world_size != rt.tp_size)
+    fail("serve.world_size", std::to_string(srv.world_size) + " trainer ranks, but runtime.tp_size is "
+                               + std::to_string(rt.tp_size)
+                               + " (one trainer rank per TP worker; 0 = runtime.tp_size)");
+  if (srv.embedded && srv.port == 0)
+    fail("serve.port", "must be set (not 0) when serve.embedded is true: the other trainer "
+                       "processes connect to rank 0's process on it");
+  check_range("serve.join_timeout_ms", srv.join_timeout_ms, timeout_min_ms, timeout_max_ms);
+  check_range("serve.publish_barrier_ms", srv.publish_barrier_ms, timeout_min_ms, timeout_max_ms);
+  check_range("serve.publish_timeout_ms", srv.publish_timeout_ms, timeout_min_ms, timeout_max_ms);
+  const tls_config& tls = srv.tls;
+  if (!tls.enabled) {
+    for (const auto& [key, value] : {std::pair<const char*, const std::string*>{"certificate", &tls.certificate},
+                                     {"key", &tls.key}, {"passphrase", &tls.passphrase},
+                                     {"cafile", &tls.cafile}})
+      if (!value->empty())
+        fail(std::string("serve.tls.") + key, "is set but serve.tls.enabled is false");
+  } else {
+    if (tls.certificate.empty() != tls.key.empty())
+      fail(tls.certificate.empty() ? "serve.tls.certificate" : "serve.tls.key",
+           "serve.tls.certificate and serve.tls.key are set together (or neither: anonymous "
+           "encryption)");
+    if (!tls.certificate.empty() && tls.cafile.empty())
+      fail("serve.tls.cafile", "required with a certificate: it verifies the peers' certificates");
+    if (tls.certificate.empty() && (!tls.cafile.empty() || !tls.passphrase.empty()))
+      fail(tls.cafile.empty() ? "serve.tls.passphrase" : "serve.tls.cafile",
+           "needs serve.tls.certificate and serve.tls.key");
+  }
 
   try {
     model::validate(cfg.model, rt.tp_size);
@@ -695,6 +780,7 @@ refit_config parse_yaml(const std::string& text, const std::string& origin) {
     {"job", [&](const YAML::Node& v, const std::string& p) { read_job(r, v, p, cfg.job); }},
     {"journal",
      [&](const YAML::Node& v, const std::string& p) { read_journal(r, v, p, cfg.journal); }},
+    {"serve", [&](const YAML::Node& v, const std::string& p) { read_serve(r, v, p, cfg.serve); }},
   });
   const YAML::Node pub = root["publication"];
   if ((!pub || !pub.IsMap() || !pub["transport"]) && !cfg.runtime.devices.empty()
@@ -720,6 +806,30 @@ refit_config load_file(const std::string& path) {
 
 void validate(const refit_config& cfg) {
   validate_config(cfg, [](const std::string&) { return std::string(); });
+}
+
+std::string resolve_token(const serve_config& serve) {
+  if (!serve.present)
+    throw config_error("serve", "the recipe has no serve section (host, port, token_env, ...)");
+  if (!serve.token.empty())
+    return serve.token;
+  if (serve.token_env.empty())
+    throw config_error("serve.token_env", "no shared secret configured");
+  const char* value = std::getenv(serve.token_env.c_str());
+  if (value == nullptr || *value == '\0')
+    throw config_error("serve.token_env", "the environment variable " + serve.token_env
+                                            + " is not set or empty");
+  std::string token = value;
+  if (token.size() < min_token_chars)
+    throw config_error("serve.token_env", "the shared secret in " + serve.token_env + " has "
+                                            + std::to_string(token.size())
+                                            + " characters; at least "
+                                            + std::to_string(min_token_chars) + " are required");
+  return token;
+}
+
+std::uint32_t serve_world(const refit_config& cfg) {
+  return cfg.serve.world_size != 0 ? cfg.serve.world_size : cfg.runtime.tp_size;
 }
 
 model::model_config parse_model_yaml(const std::string& text, const std::string& origin) {

@@ -120,6 +120,34 @@ struct journal_config {
   std::string path = "refit-journal.bin"; // truncated when the rollout side is spawned
 };
 
+// TLS for the serve connections (libcaf_openssl). With a certificate, key and CA file both
+// sides authenticate each other (mutual verification); with only `enabled: true` the
+// connection is encrypted with an anonymous cipher suite (no authentication beyond the token).
+struct tls_config {
+  bool enabled = false;
+  std::string certificate; // PEM certificate of this side
+  std::string key;         // PEM private key of this side
+  std::string passphrase;  // of the key, if it is encrypted
+  std::string cafile;      // PEM CA bundle that signed the peers' certificates
+};
+
+// Multi-process deployment (`refit-coordinator serve`, trainer processes through the
+// embedding API): where the coordinator listens and trainer processes connect, the shared
+// secret every join presents, and the bounds of the join handshake and of a collective publish.
+struct serve_config {
+  bool present = false;                 // the recipe has a serve section
+  std::string host = "127.0.0.1";       // listen address (coordinator) / connect address (ranks)
+  std::uint32_t port = 0;               // 0: the coordinator picks a free port and prints it
+  std::string token;                    // the shared secret inline, or ...
+  std::string token_env;                // ... the environment variable holding it
+  std::uint32_t world_size = 0;         // trainer ranks; 0 = runtime.tp_size
+  bool embedded = false;                // rank 0's trainer process hosts the coordinator
+  std::uint32_t join_timeout_ms = 10000;     // connect + hello + join
+  std::uint32_t publish_barrier_ms = 60000;  // first rank's publish -> every rank's publish
+  std::uint32_t publish_timeout_ms = 600000; // every rank arrived -> committed or failed
+  tls_config tls;
+};
+
 struct refit_config {
   model::model_config model;
   runtime_config runtime;
@@ -128,6 +156,7 @@ struct refit_config {
   publication_config publication;
   job_config job;
   journal_config journal;
+  serve_config serve;
 };
 
 // Parses YAML text. `origin` (file name or "<embedded>") prefixes error messages.
@@ -149,6 +178,14 @@ std::string model_to_yaml(const model::model_config& m);
 
 // The embedded default (configs/tiny-cpu.yaml, compiled in).
 const std::string& embedded_default_yaml();
+
+// The serve section's shared secret: serve.token, or the value of the environment variable
+// serve.token_env. Throws config_error naming the key when there is none (no serve section,
+// neither key set, the variable unset or empty).
+std::string resolve_token(const serve_config& serve);
+
+// Trainer ranks of a serve deployment (serve.world_size, or runtime.tp_size when 0).
+std::uint32_t serve_world(const refit_config& cfg);
 
 inline std::chrono::milliseconds ms(std::uint32_t v) { return std::chrono::milliseconds(v); }
 

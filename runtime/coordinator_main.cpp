@@ -1,11 +1,13 @@
-// refit-coordinator: the main job, the colocated RL loop. With no arguments it runs the
-// embedded default recipe (configs/tiny-cpu.yaml):
+// refit-coordinator: the main job, the colocated RL loop, or (`refit-coordinator serve`) the
+// standalone coordinator of a multi-process deployment. With no arguments it runs the main
+// job on the embedded default recipe (configs/tiny-cpu.yaml):
 //   bootstrap: sleep(1) -> wake -> generate with the checkpoint weights (version 0)
 //   K times:   synthetic optimizer step on every trainer rank -> sleep(2) -> wake(weights)
 //              -> publish (version k) -> wake(kv_cache) -> generate
 // After every generation the trainer's own unsharded reference recomputes the sampled
 // tokens' log-probabilities from the trainer's full weights (parity check).
 #include <algorithm>
+#include <csignal>
 #include <cmath>
 #include <cstdio>
 #include <iostream>
@@ -20,6 +22,9 @@
 
 #include "runtime/bootstrap.hpp"
 #include "runtime/inference/tokenizer.hpp"
+#include "runtime/network.hpp"
+#include "runtime/protocol_version.hpp"
+#include "runtime/serve.hpp"
 #include "runtime/process.hpp"
 #include "runtime/job.hpp"
 
@@ -254,6 +259,84 @@ void add_fault(refit::config::refit_config& cfg, const std::string& spec) {
                               "nor trainer:RANK:KIND[:TENSOR|CHUNK]");
 }
 
+// `refit-coordinator serve`: hosts the rollout subtree, the ConsensusGate and the RankRegistry
+// (published on serve.host:serve.port) until SIGTERM or SIGINT; trainer processes join it and
+// publish through it. Returns a process exit code.
+int serve_main(const std::string& config_path, const std::string& host, int port) {
+  auto fail = [](const std::string& what) {
+    std::cerr << "refit-coordinator serve: " << what << std::endl;
+    return 1;
+  };
+  refit::config::refit_config cfg;
+  std::string runtime_exe;
+  try {
+    cfg = config_path.empty()
+            ? refit::config::parse_yaml(refit::config::embedded_default_yaml(),
+                                        "<embedded tiny-cpu.yaml>")
+            : refit::config::load_file(config_path);
+    if (!host.empty())
+      cfg.serve.host = host;
+    if (port >= 0)
+      cfg.serve.port = static_cast<std::uint32_t>(port);
+    refit::config::validate(cfg);
+    if (!cfg.serve.present)
+      throw refit::config::config_error("serve", "the recipe has no serve section (host, port, "
+                                                 "token_env, world_size, ...)");
+    if (cfg.serve.embedded)
+      throw refit::config::config_error(
+        "serve.embedded", "is true: rank 0's trainer process hosts the coordinator; "
+                          "refit-coordinator serve is the standalone one");
+    refit::config::resolve_token(cfg.serve);
+  } catch (const refit::config::config_error& e) {
+    return fail(std::string("bad config: ") + e.what());
+  }
+  try {
+    runtime_exe = refit::proc::resolve_executable(cfg.runtime.executable);
+  } catch (const std::exception& e) {
+    return fail(std::string("bad config: runtime.executable: ") + e.what());
+  }
+  // SIGTERM/SIGINT are taken with sigwait below: block them before any thread exists, so that
+  // every CAF thread inherits the mask.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  caf::actor_system_config sys_cfg;
+  refit::configure(sys_cfg);
+  try {
+    refit::net::configure_network(sys_cfg, cfg.serve);
+  } catch (const refit::config::config_error& e) {
+    return fail(std::string("bad config: ") + e.what());
+  }
+  auto log = [prefix = "refit-coordinator[" + std::to_string(::getpid()) + "]: "](const std::string& line) {
+    std::cerr << prefix + line + "\n" << std::flush;
+  };
+  int rc = 0;
+  {
+    caf::actor_system sys{sys_cfg};
+    auto services = refit::serve::start_coordinator(sys, cfg, runtime_exe,
+                                                    static_cast<std::uint16_t>(cfg.serve.port), log);
+    if (!services) {
+      rc = fail(refit::render(services.error()));
+    } else {
+      std::printf("refit-coordinator: serving %u trainer ranks on %s:%u (refit wire protocol %u, "
+                  "tls %s)\n",
+                  refit::config::serve_world(cfg), cfg.serve.host.c_str(),
+                  static_cast<unsigned>(services->port), refit::wire::serve_protocol_version,
+                  cfg.serve.tls.enabled ? "on" : "off");
+      std::fflush(stdout);
+      int sig = 0;
+      sigwait(&stop_signals, &sig);
+      log(std::string("shutting down on ") + (sig == SIGINT ? "SIGINT" : "SIGTERM"));
+      refit::serve::stop_coordinator(sys, *services);
+    }
+  }
+  if (rc == 0)
+    log("runtime shut down cleanly");
+  return rc;
+}
+
 } // namespace
 
 int main(int argc, char** argv) {
@@ -286,7 +369,26 @@ int main(int argc, char** argv) {
   app.add_option("--journal", journal_path,
                  "record the actor journal of the coordinator-side actors to FILE (sets "
                  "journal.enabled and journal.path); check it with refit-replay FILE");
+  auto* serve = app.add_subcommand(
+    "serve",
+    "standalone coordinator of a multi-process deployment: hosts the refit-runtime TP runtime "
+    "under its supervisor, the ConsensusGate and the RankRegistry, published on serve.host:"
+    "serve.port through CAF's middleman (TLS with serve.tls). Trainer processes (embedding API, "
+    "see examples/) join as ranks with the shared secret and publish collectively. Prints "
+    "'refit-coordinator: serving N trainer ranks on HOST:PORT ...' once listening; runs until "
+    "SIGTERM or SIGINT, then shuts the runtime down.");
+  std::string serve_config;
+  std::string serve_host;
+  int serve_port = -1;
+  serve->add_option("-c,--config", serve_config,
+                    "YAML recipe with a serve section; default: the embedded configs/tiny-cpu.yaml")
+    ->check(CLI::ExistingFile);
+  serve->add_option("--host", serve_host, "listen address (overrides serve.host)");
+  serve->add_option("--port", serve_port, "listen port, 0 = a free one (overrides serve.port)")
+    ->check(CLI::Range(0, 65535));
   CLI11_PARSE(app, argc, argv);
+  if (*serve)
+    return serve_main(serve_config, serve_host, serve_port);
 
   refit::config::refit_config cfg;
   try {

@@ -212,7 +212,7 @@ TEST(ConfigRanges, TwoRuntimeFaultsOnOneOccurrenceAreRejected) {
 
 TEST(ConfigKeys, UnknownTopLevelKey) {
   expect_error(tiny_model + "jobs: {iterations: 2}\n", "jobs",
-               "unknown key (known keys: model, runtime, supervisor, trainer, publication, job, journal)");
+               "unknown key (known keys: model, runtime, supervisor, trainer, publication, job, journal, serve)");
 }
 
 TEST(ConfigKeys, UnknownNestedKey) {
@@ -585,6 +585,106 @@ TEST(ConfigFiles, ParseErrorsNameTheFile) {
     EXPECT_THAT(e.what(), HasSubstr("(at " + path.string() + ":2:20)"));
   }
   std::filesystem::remove(path);
+}
+
+// --- serve (multi-process deployment) ------------------------------------------------------
+
+TEST(ConfigServe, TinyCpuServesOnLoopbackWithATokenFromTheEnvironment) {
+  const auto cfg = config::load_file(source_dir + "/configs/tiny-cpu.yaml");
+  EXPECT_TRUE(cfg.serve.present);
+  EXPECT_EQ(cfg.serve.host, "127.0.0.1");
+  EXPECT_EQ(cfg.serve.port, 0u);
+  EXPECT_EQ(cfg.serve.token_env, "REFIT_TOKEN");
+  EXPECT_TRUE(cfg.serve.token.empty());
+  EXPECT_EQ(config::serve_world(cfg), 2u);
+  EXPECT_FALSE(cfg.serve.embedded);
+  EXPECT_FALSE(cfg.serve.tls.enabled);
+}
+
+TEST(ConfigServe, DefaultsWithoutTheSection) {
+  const auto cfg = config::parse_yaml(tiny_model + tp2_runtime);
+  EXPECT_FALSE(cfg.serve.present);
+  EXPECT_EQ(cfg.serve.host, "127.0.0.1");
+  EXPECT_EQ(config::serve_world(cfg), 2u);
+  try {
+    config::resolve_token(cfg.serve);
+    ADD_FAILURE() << "a token without a serve section";
+  } catch (const config_error& e) {
+    EXPECT_EQ(e.key, "serve");
+  }
+}
+
+TEST(ConfigServe, ReadsEveryKey) {
+  const auto cfg = config::parse_yaml(
+    tiny_model + tp2_runtime
+    + "serve: {host: localhost, port: 4567, token: 0123456789abcdef01, world_size: 2,"
+      " embedded: true, join_timeout_ms: 1500, publish_barrier_ms: 2500,"
+      " publish_timeout_ms: 3500, tls: {enabled: true, certificate: c.pem, key: k.pem,"
+      " passphrase: pw, cafile: ca.pem}}\n");
+  EXPECT_EQ(cfg.serve.host, "localhost");
+  EXPECT_EQ(cfg.serve.port, 4567u);
+  EXPECT_EQ(config::resolve_token(cfg.serve), "0123456789abcdef01");
+  EXPECT_TRUE(cfg.serve.embedded);
+  EXPECT_EQ(cfg.serve.join_timeout_ms, 1500u);
+  EXPECT_EQ(cfg.serve.publish_barrier_ms, 2500u);
+  EXPECT_EQ(cfg.serve.publish_timeout_ms, 3500u);
+  EXPECT_TRUE(cfg.serve.tls.enabled);
+  EXPECT_EQ(cfg.serve.tls.certificate, "c.pem");
+  EXPECT_EQ(cfg.serve.tls.key, "k.pem");
+  EXPECT_EQ(cfg.serve.tls.passphrase, "pw");
+  EXPECT_EQ(cfg.serve.tls.cafile, "ca.pem");
+}
+
+TEST(ConfigServe, TokenRules) {
+  const std::string base = tiny_model + tp2_runtime;
+  expect_error(base + "serve: {host: 127.0.0.1}\n", "serve.token_env", "a shared secret is required");
+  expect_error(base + "serve: {token: 0123456789abcdef, token_env: REFIT_TOKEN}\n", "serve.token",
+               "exactly one of serve.token and serve.token_env");
+  expect_error(base + "serve: {token: short}\n", "serve.token", "at least 16 are required");
+  expect_error(base + "serve: {token_env: 1BAD-NAME}\n", "serve.token_env",
+               "not an environment variable name");
+  expect_error(base + "serve: {token_env: REFIT_TOKEN, tokn: x}\n", "serve.tokn", "unknown key");
+}
+
+TEST(ConfigServe, TokenFromTheEnvironment) {
+  const auto cfg = config::parse_yaml(tiny_model + tp2_runtime
+                                      + "serve: {token_env: REFIT_TEST_CONFIG_TOKEN}\n");
+  ::unsetenv("REFIT_TEST_CONFIG_TOKEN");
+  try {
+    config::resolve_token(cfg.serve);
+    ADD_FAILURE() << "resolved an unset variable";
+  } catch (const config_error& e) {
+    EXPECT_EQ(e.key, "serve.token_env");
+    EXPECT_THAT(e.what(), HasSubstr("REFIT_TEST_CONFIG_TOKEN is not set or empty"));
+  }
+  ::setenv("REFIT_TEST_CONFIG_TOKEN", "too-short", 1);
+  EXPECT_THROW(config::resolve_token(cfg.serve), config_error);
+  ::setenv("REFIT_TEST_CONFIG_TOKEN", "a-long-enough-secret", 1);
+  EXPECT_EQ(config::resolve_token(cfg.serve), "a-long-enough-secret");
+  ::unsetenv("REFIT_TEST_CONFIG_TOKEN");
+}
+
+TEST(ConfigServe, RangesAndCrossChecks) {
+  const std::string base = tiny_model + tp2_runtime;
+  const std::string token = "token_env: REFIT_TOKEN";
+  expect_error(base + "serve: {" + token + ", port: 70000}\n", "serve.port", "out of range");
+  expect_error(base + "serve: {" + token + ", world_size: 3}\n", "serve.world_size",
+               "runtime.tp_size is 2");
+  expect_error(base + "serve: {" + token + ", embedded: true}\n", "serve.port",
+               "must be set (not 0) when serve.embedded is true");
+  expect_error(base + "serve: {" + token + ", join_timeout_ms: 0}\n", "serve.join_timeout_ms",
+               "out of range");
+  expect_error(base + "serve: {" + token + ", host: ''}\n", "serve.host", "not a host name");
+  expect_error(base + "serve: {" + token + ", tls: {certificate: c.pem}}\n",
+               "serve.tls.certificate", "serve.tls.enabled is false");
+  expect_error(base + "serve: {" + token + ", tls: {enabled: true, certificate: c.pem}}\n",
+               "serve.tls.key", "set together");
+  expect_error(base + "serve: {" + token + ", tls: {enabled: true, certificate: c.pem, key: k.pem}}\n",
+               "serve.tls.cafile", "verifies the peers");
+  expect_error(base + "serve: {" + token + ", tls: {enabled: true, cafile: ca.pem}}\n",
+               "serve.tls.cafile", "needs serve.tls.certificate");
+  // Anonymous encryption: enabled alone is valid.
+  EXPECT_TRUE(config::parse_yaml(base + "serve: {" + token + ", tls: {enabled: true}}\n").serve.tls.enabled);
 }
 
 } // namespace

@@ -1,0 +1,747 @@
+// Multi-process deployment end to end on CPU: `refit-coordinator serve` (or rank 0's process
+// with serve.embedded) + trainer processes written against the public embedding API + the
+// refit-runtime child, all talking through CAF's middleman. Byte-exact publications, a trainer
+// SIGKILLed during chunk materialization, refused joins (token, protocol version, interface), a
+// coordinator restart while ranks wait, the publish barrier, TLS; no process is left behind.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <random>
+#include <thread>
+
+#include <caf/actor_system.hpp>
+#include <caf/actor_system_config.hpp>
+#include <caf/scoped_actor.hpp>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "actors/sync_coordinator.hpp"
+#include "child_process.hpp"
+#include "runtime/bootstrap.hpp"
+#include "runtime/model/qwen3_moe.hpp"
+#include "runtime/network.hpp"
+#include "runtime/protocol_version.hpp"
+
+namespace {
+
+using namespace refit;
+using namespace refit::testing;
+using namespace std::chrono_literals;
+using json = nlohmann::json;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+const std::string coordinator_exe = REFIT_COORDINATOR_EXE;
+const std::string trainer_exe = REFIT_TEST_TRAINER_EXE;
+
+struct recipe_options {
+  std::uint32_t port = 0;
+  bool embedded = false;
+  std::string trainer_faults;          // YAML flow sequence for trainer.faults
+  std::uint32_t gate_deadline_ms = 30000;
+  std::uint32_t barrier_ms = 60000;
+  std::uint32_t republish_attempts = 1;
+  std::uint32_t join_timeout_ms = 10000;
+  std::string tls;                     // YAML flow map for serve.tls
+  std::string runtime_faults;          // YAML flow sequence for runtime.faults
+};
+
+std::uint16_t free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  socklen_t len = sizeof(a);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+class MultiProcess : public ::testing::Test {
+protected:
+  std::string dir;
+  std::string token;
+  config::refit_config tiny = config::parse_yaml(config::embedded_default_yaml(), "<embedded>");
+  std::unique_ptr<child_process> coordinator;
+  std::uint16_t port = 0;
+  std::string serving_line; // what refit-coordinator serve printed once listening
+
+  void SetUp() override {
+    std::random_device rd;
+    token = "refit-test-secret-" + std::to_string(rd()) + std::to_string(rd());
+    dir = ::testing::TempDir() + "refit-mp-" + std::to_string(::getpid()) + "-"
+          + ::testing::UnitTest::GetInstance()->current_test_info()->name() + "/";
+    std::filesystem::create_directories(dir);
+  }
+
+  void TearDown() override {
+    if (coordinator) {
+      coordinator->signal(SIGTERM);
+      coordinator->wait(30s);
+    }
+    if (!HasFailure()) // logs of a failed test stay for a look
+      std::filesystem::remove_all(dir);
+  }
+
+  std::string write_recipe(const std::string& name, const recipe_options& o) {
+    std::string path = dir + name;
+    std::ofstream(path)
+      << "model: " << config::model_to_yaml(tiny.model) << "\n"
+      << "runtime: {executable: " << REFIT_RUNTIME_EXE
+      << ", tp_size: 2, devices: [cpu:0, cpu:1], kill_grace_ms: 300"
+      << (o.runtime_faults.empty() ? "" : ", faults: " + o.runtime_faults) << "}\n"
+      << "supervisor: {max_restarts: 3, backoff_initial_ms: 20, backoff_max_ms: 100}\n"
+      << "trainer: {lr: 0.001, init_scale: 0.02"
+      << (o.trainer_faults.empty() ? "" : ", faults: " + o.trainer_faults) << "}\n"
+      << "publication: {buffer_bytes: 65536, buffer_count: 2, verify: true, gate_deadline_ms: "
+      << o.gate_deadline_ms << ", memory_headroom_bytes: 1048576, republish_attempts: "
+      << o.republish_attempts << "}\n"
+      << "job: {seed: 1234}\n"
+      << "serve: {host: 127.0.0.1, port: " << o.port << ", token_env: REFIT_TEST_TOKEN, world_size: 2"
+      << ", embedded: " << (o.embedded ? "true" : "false") << ", publish_barrier_ms: " << o.barrier_ms
+      << ", join_timeout_ms: " << o.join_timeout_ms
+      << (o.tls.empty() ? "" : ", tls: " + o.tls) << "}\n";
+    return path;
+  }
+
+  // Starts `refit-coordinator serve` and reads the port it prints.
+  void start_coordinator(const std::string& recipe, std::uint16_t on_port = 0) {
+    coordinator = std::make_unique<child_process>(
+      std::vector<std::string>{coordinator_exe, "serve", "-c", recipe, "--port", std::to_string(on_port)},
+      dir + "coordinator-" + std::to_string(++coordinators_) + ".stderr",
+      std::vector<std::pair<std::string, std::string>>{{"REFIT_TEST_TOKEN", token}});
+    auto line = coordinator->read_line(60s);
+    ASSERT_TRUE(line) << "no 'serving' line; stderr:\n" << coordinator->stderr_text();
+    serving_line = *line;
+    auto at = line->find("127.0.0.1:");
+    ASSERT_NE(at, std::string::npos) << *line;
+    port = static_cast<std::uint16_t>(std::stoi(line->substr(at + 10)));
+  }
+
+  std::unique_ptr<child_process> spawn_trainer(const std::string& recipe, std::uint32_t rank,
+                                               std::vector<std::string> extra = {},
+                                               const std::string& secret = "") {
+    std::vector<std::string> argv{trainer_exe, "--config", recipe, "--rank", std::to_string(rank),
+                                  "--port", std::to_string(port)};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    return std::make_unique<child_process>(
+      argv, dir + "trainer-" + std::to_string(rank) + "-" + std::to_string(++trainers_) + ".stderr",
+      std::vector<std::pair<std::string, std::string>>{
+        {"REFIT_TEST_TOKEN", secret.empty() ? token : secret}});
+  }
+
+  // Spawns a trainer and waits until it joined.
+  std::unique_ptr<child_process> trainer(const std::string& recipe, std::uint32_t rank,
+                                         std::vector<std::string> extra = {}) {
+    auto t = spawn_trainer(recipe, rank, std::move(extra));
+    auto line = read_json(*t, 60s);
+    EXPECT_EQ(line.value("event", ""), "connected")
+      << line.dump() << "\n" << t->stderr_text()
+      << (coordinator ? "\ncoordinator:\n" + coordinator->stderr_text() : std::string());
+    return t;
+  }
+
+  static json read_json(child_process& p, std::chrono::milliseconds timeout) {
+    auto line = p.read_line(timeout);
+    if (!line)
+      return json{{"event", "<no answer>"}};
+    return json::parse(*line);
+  }
+
+  static json command(child_process& p, const std::string& cmd, std::chrono::milliseconds timeout = 120s) {
+    p.send(cmd);
+    return read_json(p, timeout);
+  }
+
+  // Every trainer publishes `version`; returns their answers in rank order.
+  static std::vector<json> publish_all(const std::vector<child_process*>& ts, std::uint64_t version) {
+    for (auto* t : ts)
+      t->send("publish " + std::to_string(version));
+    std::vector<json> out;
+    for (auto* t : ts)
+      out.push_back(read_json(*t, 180s));
+    return out;
+  }
+
+  // The result is the committed `version`, every TP worker's resident bytes equal the trainer's
+  // weights at `step` (checked here, independently of the coordinator's verifier).
+  void expect_byte_exact(const json& r, std::uint64_t version, std::uint64_t step) {
+    ASSERT_TRUE(r.value("ok", false)) << r.dump();
+    EXPECT_EQ(r["version"], version);
+    EXPECT_EQ(r["trainer_ranks"], 2);
+    EXPECT_EQ(r["tp"], 2);
+    EXPECT_GT(r["chunks"].get<int>(), 1) << "64 KiB buffers force several chunks";
+    auto expected = expected_resident_checksums(
+      tiny.model, 2, {tiny.job.seed, tiny.trainer.lr, tiny.trainer.init_scale}, step);
+    ASSERT_EQ(r["receipts"].size(), 2u);
+    for (std::uint32_t w = 0; w < 2; ++w) {
+      const auto& got = r["receipts"][w];
+      EXPECT_EQ(got["tp_rank"], w);
+      ASSERT_EQ(got["checksums"].size(), expected[w].checksums.size());
+      for (std::size_t i = 0; i < expected[w].checksums.size(); ++i) {
+        EXPECT_EQ(got["checksums"][i][0], expected[w].checksums[i].name);
+        EXPECT_EQ(got["checksums"][i][1], expected[w].checksums[i].digest)
+          << "TP worker " << w << " " << expected[w].checksums[i].name << " at step " << step;
+      }
+    }
+  }
+
+  pid_t runtime_pid(pid_t parent) {
+    for (int i = 0; i < 200; ++i) {
+      auto kids = children_named(parent, "refit-runtime");
+      if (kids.size() == 1)
+        return kids.front();
+      std::this_thread::sleep_for(25ms);
+    }
+    ADD_FAILURE() << "no single refit-runtime child of " << parent;
+    return -1;
+  }
+
+  static bool gone_within(pid_t pid, std::chrono::milliseconds timeout) {
+    auto until = std::chrono::steady_clock::now() + timeout;
+    while (std::chrono::steady_clock::now() < until) {
+      if (!process_alive(pid))
+        return true;
+      std::this_thread::sleep_for(20ms);
+    }
+    return false;
+  }
+
+  void stop_coordinator_cleanly() {
+    ASSERT_TRUE(coordinator);
+    auto rt = children_named(coordinator->pid(), "refit-runtime");
+    coordinator->signal(SIGTERM);
+    auto rc = coordinator->wait(60s);
+    ASSERT_TRUE(rc) << "refit-coordinator did not exit on SIGTERM";
+    EXPECT_EQ(*rc, 0) << coordinator->stderr_text();
+    EXPECT_THAT(coordinator->stderr_text(), HasSubstr("runtime shut down cleanly"));
+    for (auto pid : rt)
+      EXPECT_TRUE(gone_within(pid, 5s)) << "orphaned refit-runtime " << pid;
+    coordinator.reset();
+  }
+
+  static void quit(std::unique_ptr<child_process>& t) {
+    t->send("quit");
+    auto rc = t->wait(30s);
+    EXPECT_TRUE(rc && *rc == 0) << "trainer did not quit cleanly: " << t->stderr_text();
+    t.reset();
+  }
+
+  int coordinators_ = 0;
+  int trainers_ = 0;
+};
+
+// A CAF client of its own, speaking the wire protocol directly (no embedding API).
+class raw_client {
+public:
+  explicit raw_client(const config::serve_config& serve) : serve_(serve) {
+    configure(cfg_);
+    net::configure_network(cfg_, serve);
+    sys_ = std::make_unique<caf::actor_system>(cfg_);
+  }
+  caf::actor_system& sys() { return *sys_; }
+  const config::serve_config& serve() const { return serve_; }
+
+  caf::expected<rank_registry_actor> connect(std::uint16_t port) {
+    return net::connect_registry(*sys_, serve_, "127.0.0.1", port, 10s);
+  }
+
+  caf::error hello(const rank_registry_actor& r, std::uint32_t version, const std::string& token) {
+    caf::scoped_actor self{*sys_};
+    caf::error err;
+    self->request(r, 10s, hello_atom::value, version, token)
+      .receive([](welcome&, consensus_gate_actor&) {}, [&](caf::error& e) { err = std::move(e); });
+    return err;
+  }
+
+  caf::expected<registry_status> status(const rank_registry_actor& r, const std::string& token) {
+    caf::scoped_actor self{*sys_};
+    caf::expected<registry_status> out{caf::error{}};
+    self->request(r, 10s, status_atom::value, token)
+      .receive([&](registry_status& s) { out = std::move(s); },
+               [&](caf::error& e) { out = std::move(e); });
+    return out;
+  }
+
+private:
+  config::serve_config serve_;
+  caf::actor_system_config cfg_;
+  std::unique_ptr<caf::actor_system> sys_;
+};
+
+config::serve_config plain_serve() {
+  config::serve_config s;
+  s.present = true;
+  return s;
+}
+
+// Polls the registry status until `pred` holds (or `timeout`).
+template <class Pred>
+registry_status wait_status(raw_client& c, const rank_registry_actor& r, const std::string& token,
+                            Pred pred, std::chrono::milliseconds timeout) {
+  registry_status last;
+  auto until = std::chrono::steady_clock::now() + timeout;
+  while (std::chrono::steady_clock::now() < until) {
+    if (auto s = c.status(r, token)) {
+      last = *s;
+      if (pred(last))
+        return last;
+    }
+    std::this_thread::sleep_for(20ms);
+  }
+  ADD_FAILURE() << "registry status never matched; last error: " << last.last_error;
+  return last;
+}
+
+TEST_F(MultiProcess, TwoTrainerProcessesPublishByteExactVersions) {
+  auto recipe = write_recipe("recipe.yaml", {});
+  start_coordinator(recipe);
+  auto rt = runtime_pid(coordinator->pid());
+  auto t0 = trainer(recipe, 0);
+  auto t1 = trainer(recipe, 1);
+  double seconds = 0;
+  for (std::uint64_t v = 1; v <= 3; ++v) {
+    EXPECT_EQ(command(*t0, "step")["step"], v);
+    EXPECT_EQ(command(*t1, "step")["step"], v);
+    auto res = publish_all({t0.get(), t1.get()}, v);
+    expect_byte_exact(res[0], v, v);
+    expect_byte_exact(res[1], v, v);
+    EXPECT_EQ(res[0]["publication_id"], res[1]["publication_id"]) << "one collective publication";
+    seconds += res[0]["seconds"].get<double>();
+  }
+  std::printf("[ measured ] multi-process publication of the tiny model (2 trainer processes, "
+              "TP 2): mean %.2f ms over 3 versions\n", seconds / 3 * 1000.0);
+  // A version that is not above the committed one is refused on every rank, nothing runs.
+  auto stale = publish_all({t0.get(), t1.get()}, 3);
+  EXPECT_EQ(stale[0]["error"]["code"], "invalid_argument") << stale[0].dump();
+  EXPECT_EQ(stale[1]["error"]["code"], "invalid_argument");
+  EXPECT_EQ(children_named(coordinator->pid(), "refit-runtime"), std::vector<pid_t>{rt})
+    << "the runtime was never restarted";
+  quit(t0);
+  quit(t1);
+  auto log = coordinator->stderr_text();
+  EXPECT_THAT(log, HasSubstr("membership complete: 2 ranks, epoch 1"));
+  EXPECT_THAT(log, HasSubstr("rank 0 (pid "));
+  EXPECT_THAT(log, Not(HasSubstr(token))) << "the shared secret is never logged";
+  stop_coordinator_cleanly();
+  EXPECT_FALSE(process_alive(rt));
+}
+
+TEST_F(MultiProcess, TrainerKilledDuringMaterializationFailsEveryRankAndRejoins) {
+  recipe_options o;
+  o.gate_deadline_ms = 20000; // detection must come from the lost connection, not the deadline
+  auto recipe = write_recipe("recipe.yaml", o);
+  o.trainer_faults = "[{rank: 1, kind: never_report, chunk: 1}]"; // rank 1 holds materialize[1]
+  auto stalling = write_recipe("stalling.yaml", o);
+  start_coordinator(recipe);
+  auto old_runtime = runtime_pid(coordinator->pid());
+  raw_client client(plain_serve());
+  auto registry = client.connect(port);
+  ASSERT_TRUE(registry) << render(registry.error());
+
+  auto t0 = trainer(recipe, 0);
+  auto t1 = trainer(stalling, 1);
+  command(*t0, "step");
+  command(*t1, "step");
+  t0->send("publish 1");
+  t1->send("publish 1");
+  // The publication is loading chunks: rank 1 sits on materialize[1], rank 0 waits for it in
+  // the all-gather.
+  wait_status(client, *registry, token,
+              [](const registry_status& s) {
+                return s.publishing
+                       && s.coordinator.state == static_cast<std::uint8_t>(publication_state::loading);
+              },
+              20s);
+  std::this_thread::sleep_for(300ms);
+  auto killed_at = std::chrono::steady_clock::now();
+  t1->signal(SIGKILL);
+  auto res = read_json(*t0, 60s);
+  auto detected = std::chrono::steady_clock::now() - killed_at;
+  ASSERT_FALSE(res.value("ok", true)) << res.dump();
+  EXPECT_EQ(res["error"]["code"], "rank_lost") << res.dump();
+  EXPECT_EQ(res["error"]["where"], "rank 1");
+  EXPECT_THAT(res["error"]["message"].get<std::string>(), HasSubstr("the publication failed: refit.gate_failed"));
+  EXPECT_THAT(res["error"]["message"].get<std::string>(), HasSubstr("the runtime was poisoned"));
+  EXPECT_LT(detected, 10s) << "a dead trainer process is detected at once, not at the 20 s gate deadline";
+  EXPECT_EQ(t1->wait(5s), 128 + SIGKILL);
+  t1.reset();
+
+  // The runtime was poisoned and restarted once (republish_attempts 1 does not republish
+  // without the rank); the old process group is gone.
+  auto st = wait_status(client, *registry, token,
+                        [](const registry_status& s) {
+                          return s.engine.incarnation == 2 && s.engine.conn() == connection_state::idle;
+                        },
+                        30s);
+  EXPECT_EQ(st.rank_losses, 1u);
+  EXPECT_FALSE(st.complete);
+  EXPECT_EQ(st.committed_version, 0u);
+  EXPECT_TRUE(gone_within(old_runtime, 5s)) << "the poisoned runtime was reaped";
+  std::this_thread::sleep_for(500ms);
+  EXPECT_EQ(client.status(*registry, token)->engine.incarnation, 2u) << "no second restart";
+
+  // Rank 1 rejoins (a fresh process, caught up to step 1); the same version publishes.
+  t1 = trainer(recipe, 1, {"--start-step", "1"});
+  auto again = publish_all({t0.get(), t1.get()}, 1);
+  expect_byte_exact(again[0], 1, 1);
+  expect_byte_exact(again[1], 1, 1);
+  EXPECT_EQ(again[0]["attempts"], 1);
+  command(*t0, "step");
+  command(*t1, "step");
+  auto next = publish_all({t0.get(), t1.get()}, 2);
+  expect_byte_exact(next[0], 2, 2);
+  EXPECT_THAT(coordinator->stderr_text(), HasSubstr("rank 1 (pid "));
+  EXPECT_THAT(coordinator->stderr_text(), HasSubstr("membership complete: 2 ranks, epoch 2"));
+  quit(t0);
+  quit(t1);
+  stop_coordinator_cleanly();
+}
+
+TEST_F(MultiProcess, RuntimeFaultIsRepublishedWithTheRemoteRanks) {
+  recipe_options o;
+  o.runtime_faults = "[{command: update_weights, kind: sigkill, after: 1}]";
+  auto recipe = write_recipe("recipe.yaml", o);
+  start_coordinator(recipe);
+  auto first = runtime_pid(coordinator->pid());
+  auto t0 = trainer(recipe, 0);
+  auto t1 = trainer(recipe, 1);
+  command(*t0, "step");
+  command(*t1, "step");
+  auto res = publish_all({t0.get(), t1.get()}, 1);
+  expect_byte_exact(res[0], 1, 1);
+  expect_byte_exact(res[1], 1, 1);
+  EXPECT_EQ(res[0]["attempts"], 2) << "the killed runtime was replaced and the version republished";
+  EXPECT_TRUE(gone_within(first, 5s));
+  quit(t0);
+  quit(t1);
+  stop_coordinator_cleanly();
+}
+
+TEST_F(MultiProcess, RankLostWhileOthersWaitAtTheBarrier) {
+  auto recipe = write_recipe("recipe.yaml", {});
+  start_coordinator(recipe);
+  auto t0 = trainer(recipe, 0);
+  auto t1 = trainer(recipe, 1);
+  t0->send("publish 1");
+  std::this_thread::sleep_for(300ms);
+  t1->signal(SIGKILL);
+  auto res = read_json(*t0, 30s);
+  EXPECT_EQ(res["error"]["code"], "rank_lost") << res.dump();
+  EXPECT_THAT(res["error"]["message"].get<std::string>(), HasSubstr("nothing was published"));
+  t1->wait(5s);
+  quit(t0);
+  stop_coordinator_cleanly();
+}
+
+TEST_F(MultiProcess, FrozenTrainerIsDeclaredGoneByHeartbeats) {
+  auto recipe = write_recipe("recipe.yaml", {});
+  start_coordinator(recipe);
+  auto t0 = trainer(recipe, 0);
+  auto t1 = trainer(recipe, 1);
+  t1->signal(SIGSTOP); // alive, connection open, but silent
+  auto t = std::chrono::steady_clock::now();
+  auto res = command(*t0, "publish 1", 60s);
+  auto took = std::chrono::steady_clock::now() - t;
+  EXPECT_EQ(res["error"]["code"], "rank_lost") << res.dump();
+  EXPECT_THAT(res["error"]["message"].get<std::string>(), HasSubstr("remote_link_unreachable"));
+  EXPECT_GT(took, 5s) << "declared dead by the BASP connection timeout (10 s), not at once";
+  EXPECT_LT(took, 30s);
+  t1->signal(SIGKILL);
+  t1->wait(5s);
+  quit(t0);
+  stop_coordinator_cleanly();
+}
+
+TEST_F(MultiProcess, BarrierTimeoutNamesTheRankThatNeverPublished) {
+  recipe_options o;
+  o.barrier_ms = 1500;
+  auto recipe = write_recipe("recipe.yaml", o);
+  start_coordinator(recipe);
+  auto t0 = trainer(recipe, 0);
+  auto t1 = trainer(recipe, 1);
+  auto t = std::chrono::steady_clock::now();
+  auto res = command(*t0, "publish 1", 30s);
+  EXPECT_EQ(res["error"]["code"], "barrier_timeout") << res.dump();
+  EXPECT_THAT(res["error"]["message"].get<std::string>(), HasSubstr("rank(s) 1 did not call publish(1)"));
+  EXPECT_LT(std::chrono::steady_clock::now() - t, 10s);
+  auto ok = publish_all({t0.get(), t1.get()}, 1);
+  expect_byte_exact(ok[0], 1, 0);
+  quit(t0);
+  quit(t1);
+  stop_coordinator_cleanly();
+}
+
+TEST_F(MultiProcess, WrongOrMissingTokenIsRefusedAndLogged) {
+  auto recipe = write_recipe("recipe.yaml", {});
+  start_coordinator(recipe);
+  const std::string wrong = "not-the-shared-secret-42";
+  auto intruder = spawn_trainer(recipe, 0, {}, wrong);
+  auto res = read_json(*intruder, 30s);
+  EXPECT_EQ(res["event"], "error") << res.dump();
+  EXPECT_EQ(res["error"]["code"], "unauthorized");
+  EXPECT_EQ(res["error"]["where"], "hello.token");
+  EXPECT_EQ(intruder->wait(10s), 3);
+
+  raw_client client(plain_serve());
+  auto registry = client.connect(port);
+  ASSERT_TRUE(registry) << render(registry.error());
+  auto missing = client.hello(*registry, wire::serve_protocol_version, "");
+  EXPECT_EQ(static_cast<errc>(missing.code()), errc::unauthorized) << render(missing);
+  auto peek = client.status(*registry, wrong);
+  ASSERT_FALSE(peek);
+  EXPECT_EQ(static_cast<errc>(peek.error().code()), errc::unauthorized);
+  auto status = client.status(*registry, token);
+  ASSERT_TRUE(status);
+  EXPECT_EQ(status->refusals, 3u);
+  EXPECT_TRUE(status->members.empty()) << "nothing joined";
+
+  auto log = coordinator->stderr_text();
+  EXPECT_THAT(log, HasSubstr("refused hello.token from node"));
+  EXPECT_THAT(log, HasSubstr("wrong token"));
+  EXPECT_THAT(log, HasSubstr("missing token"));
+  EXPECT_THAT(log, Not(HasSubstr(wrong)));
+  EXPECT_THAT(log, Not(HasSubstr(token)));
+  // The refused attempts left nothing behind: real ranks still join and publish.
+  auto t0 = trainer(recipe, 0);
+  auto t1 = trainer(recipe, 1);
+  auto ok = publish_all({t0.get(), t1.get()}, 1);
+  expect_byte_exact(ok[1], 1, 0);
+  quit(t0);
+  quit(t1);
+  stop_coordinator_cleanly();
+}
+
+// Another wire protocol: a hello or join with another version, or a client expecting another
+// RankRegistry interface, is refused with a typed error.
+using other_registry_interface =
+  caf::typed_actor<caf::replies_to<hello_atom, std::uint32_t, std::string, std::string>::with<welcome>>;
+
+TEST_F(MultiProcess, ProtocolVersionMismatchIsRefused) {
+  auto recipe = write_recipe("recipe.yaml", {});
+  start_coordinator(recipe);
+  raw_client client(plain_serve());
+  auto registry = client.connect(port);
+  ASSERT_TRUE(registry) << render(registry.error());
+  const auto other = wire::serve_protocol_version + 1;
+  auto hello = client.hello(*registry, other, token);
+  EXPECT_EQ(static_cast<errc>(hello.code()), errc::protocol_mismatch) << render(hello);
+  EXPECT_EQ(error_where(hello), "hello.protocol_version");
+  EXPECT_THAT(error_message(hello), HasSubstr("refit wire protocol " + std::to_string(wire::serve_protocol_version)));
+
+  join_request req;
+  req.protocol_version = other;
+  req.token = token;
+  req.world = 2;
+  caf::error join_err;
+  {
+    caf::scoped_actor self{client.sys()};
+    self->request(*registry, 10s, join_atom::value, req, trainer_rank_actor{}, trainer_host_actor{})
+      .receive([](join_ack&) {}, [&](caf::error& e) { join_err = std::move(e); });
+  }
+  EXPECT_EQ(static_cast<errc>(join_err.code()), errc::protocol_mismatch) << render(join_err);
+  EXPECT_EQ(error_where(join_err), "join.protocol_version");
+
+  auto mismatched = net::connect_as<other_registry_interface>(client.sys(), client.serve(),
+                                                              "127.0.0.1", port, 10s);
+  ASSERT_FALSE(mismatched);
+  EXPECT_EQ(static_cast<errc>(mismatched.error().code()), errc::protocol_mismatch)
+    << render(mismatched.error());
+  EXPECT_THAT(coordinator->stderr_text(), HasSubstr("protocol version " + std::to_string(other)));
+  stop_coordinator_cleanly();
+}
+
+TEST_F(MultiProcess, JoinRefusalsNameTheField) {
+  auto recipe = write_recipe("recipe.yaml", {});
+  start_coordinator(recipe);
+  auto t0 = trainer(recipe, 0);
+  raw_client client(plain_serve());
+  auto registry = client.connect(port);
+  ASSERT_TRUE(registry) << render(registry.error());
+  auto join = [&](join_request req) {
+    caf::scoped_actor self{client.sys()};
+    caf::error err;
+    self->request(*registry, 10s, join_atom::value, req, trainer_rank_actor{}, trainer_host_actor{})
+      .receive([](join_ack&) {}, [&](caf::error& e) { err = std::move(e); });
+    return err;
+  };
+  join_request good;
+  good.protocol_version = wire::serve_protocol_version;
+  good.token = token;
+  good.rank = 1;
+  good.world = 2;
+  good.manifest_fingerprint = model::structural_manifest(model::expected_key_stream(tiny.model));
+  good.pid = ::getpid();
+  good.collective_endpoint = "memfd:1:1";
+  auto expect_refused = [&](join_request req, errc code, const std::string& where,
+                            const std::string& text) {
+    auto err = join(std::move(req));
+    EXPECT_EQ(static_cast<errc>(err.code()), code) << render(err);
+    EXPECT_EQ(error_where(err), where) << render(err);
+    EXPECT_THAT(error_message(err), HasSubstr(text));
+  };
+  auto r = good;
+  r.token = "";
+  expect_refused(r, errc::unauthorized, "join.token", "wrong or missing shared secret");
+  r = good;
+  r.world = 3;
+  expect_refused(r, errc::join_refused, "join.world", "serves 2 trainer ranks");
+  r = good;
+  r.rank = 2;
+  expect_refused(r, errc::join_refused, "join.rank", "out of range");
+  r = good;
+  r.rank = 0;
+  expect_refused(r, errc::join_refused, "join.rank", "already joined by pid " + std::to_string(t0->pid()));
+  r = good;
+  r.manifest_fingerprint = std::string(64, '0');
+  expect_refused(r, errc::join_refused, "join.manifest_fingerprint", "differs from the coordinator's");
+  expect_refused(good, errc::invalid_argument, "join", "no rank or host actor");
+  // Publishing for a rank this client did not join as is refused too.
+  caf::error err;
+  {
+    caf::scoped_actor self{client.sys()};
+    self->request(*registry, 10s, publish_atom::value, publish_request{0, 1, 1})
+      .receive([](publication_result&) {}, [&](caf::error& e) { err = std::move(e); });
+  }
+  EXPECT_EQ(static_cast<errc>(err.code()), errc::unauthorized) << render(err);
+  auto st = client.status(*registry, token);
+  ASSERT_TRUE(st);
+  ASSERT_EQ(st->members.size(), 1u);
+  EXPECT_EQ(st->members[0].pid, t0->pid());
+  EXPECT_EQ(st->refusals, 7u);
+  quit(t0);
+  stop_coordinator_cleanly();
+}
+
+TEST_F(MultiProcess, NothingListeningIsUnreachableWithinTheJoinTimeout) {
+  recipe_options o;
+  o.join_timeout_ms = 1500;
+  auto recipe = write_recipe("recipe.yaml", o);
+  port = free_port(); // nobody listens there
+  auto t = std::chrono::steady_clock::now();
+  auto lone = spawn_trainer(recipe, 0);
+  auto res = read_json(*lone, 30s);
+  auto took = std::chrono::steady_clock::now() - t;
+  EXPECT_EQ(res["error"]["code"], "coordinator_unreachable") << res.dump();
+  EXPECT_GE(took, 1300ms) << "refused connections are retried for serve.join_timeout_ms";
+  EXPECT_LT(took, 10s);
+  EXPECT_EQ(lone->wait(10s), 3);
+}
+
+TEST_F(MultiProcess, TrainersStartedBeforeTheCoordinatorJoinOnceItListens) {
+  recipe_options o;
+  o.port = free_port();
+  auto recipe = write_recipe("recipe.yaml", o);
+  port = static_cast<std::uint16_t>(o.port);
+  auto early0 = spawn_trainer(recipe, 0);
+  auto early1 = spawn_trainer(recipe, 1);
+  std::this_thread::sleep_for(500ms);
+  start_coordinator(recipe, static_cast<std::uint16_t>(o.port));
+  EXPECT_EQ(read_json(*early0, 30s)["event"], "connected");
+  EXPECT_EQ(read_json(*early1, 30s)["event"], "connected");
+  auto res = publish_all({early0.get(), early1.get()}, 1);
+  expect_byte_exact(res[0], 1, 0);
+  quit(early0);
+  quit(early1);
+  stop_coordinator_cleanly();
+}
+
+TEST_F(MultiProcess, CoordinatorRestartWhileRanksWaitIsATypedErrorNotAHang) {
+  auto recipe = write_recipe("recipe.yaml", {});
+  start_coordinator(recipe);
+  auto first_runtime = runtime_pid(coordinator->pid());
+  auto t0 = trainer(recipe, 0);
+  auto t1 = trainer(recipe, 1);
+  expect_byte_exact(publish_all({t0.get(), t1.get()}, 1)[0], 1, 0);
+  t0->send("publish 2"); // rank 1 does not: rank 0 waits at the barrier
+  std::this_thread::sleep_for(300ms);
+  auto killed_at = std::chrono::steady_clock::now();
+  coordinator->signal(SIGKILL);
+  ASSERT_EQ(coordinator->wait(10s), 128 + SIGKILL);
+  auto res = read_json(*t0, 60s);
+  EXPECT_LT(std::chrono::steady_clock::now() - killed_at, 15s) << "no hang";
+  EXPECT_EQ(res["error"]["code"], "coordinator_lost") << res.dump();
+  EXPECT_THAT(res["error"]["where"].get<std::string>(), HasSubstr("127.0.0.1:" + std::to_string(port)));
+  auto later = command(*t1, "publish 2", 30s);
+  EXPECT_EQ(later["error"]["code"], "coordinator_lost") << later.dump();
+  EXPECT_TRUE(gone_within(first_runtime, 5s)) << "the runtime dies with its coordinator";
+
+  // The coordinator comes back on the same port; fresh trainer processes join it.
+  auto old_port = port;
+  coordinator.reset();
+  start_coordinator(recipe, old_port);
+  EXPECT_EQ(port, old_port);
+  quit(t0);
+  quit(t1);
+  auto n0 = trainer(recipe, 0);
+  auto n1 = trainer(recipe, 1);
+  expect_byte_exact(publish_all({n0.get(), n1.get()}, 1)[0], 1, 0);
+  quit(n0);
+  quit(n1);
+  stop_coordinator_cleanly();
+}
+
+TEST_F(MultiProcess, EmbeddedCoordinatorInRankZerosProcess) {
+  recipe_options o;
+  o.embedded = true;
+  o.port = free_port();
+  auto recipe = write_recipe("recipe.yaml", o);
+  port = static_cast<std::uint16_t>(o.port);
+  auto t0 = trainer(recipe, 0); // starts the runtime and the registry in its own process
+  auto rt = runtime_pid(t0->pid());
+  auto t1 = trainer(recipe, 1);
+  for (std::uint64_t v = 1; v <= 2; ++v) {
+    command(*t0, "step");
+    command(*t1, "step");
+    auto res = publish_all({t0.get(), t1.get()}, v);
+    expect_byte_exact(res[0], v, v);
+    expect_byte_exact(res[1], v, v);
+  }
+  EXPECT_THAT(t0->stderr_text(), HasSubstr("coordinator: membership complete: 2 ranks, epoch 1"));
+  quit(t1);
+  quit(t0);
+  EXPECT_TRUE(gone_within(rt, 5s)) << "rank 0 shut its runtime down";
+}
+
+TEST_F(MultiProcess, TlsWithMutualCertificates) {
+  if (std::system("openssl version > /dev/null 2>&1") != 0)
+    GTEST_SKIP() << "no openssl command to make certificates";
+  std::string cmd =
+    "cd " + dir + " && openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=refit-test-ca"
+    " -keyout ca.key -out ca.pem > gen.log 2>&1"
+    " && openssl req -newkey rsa:2048 -nodes -subj /CN=refit-node -keyout node.key -out node.csr"
+    " >> gen.log 2>&1 && openssl x509 -req -in node.csr -CA ca.pem -CAkey ca.key -CAcreateserial"
+    " -days 1 -out node.pem >> gen.log 2>&1";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << "certificate generation failed (see " << dir << "gen.log)";
+  recipe_options o;
+  o.tls = "{enabled: true, certificate: " + dir + "node.pem, key: " + dir + "node.key, cafile: " + dir + "ca.pem}";
+  auto recipe = write_recipe("recipe.yaml", o);
+  start_coordinator(recipe);
+  EXPECT_THAT(serving_line, HasSubstr("tls on"));
+  auto t0 = trainer(recipe, 0);
+  auto t1 = trainer(recipe, 1);
+  auto res = publish_all({t0.get(), t1.get()}, 1);
+  expect_byte_exact(res[0], 1, 0);
+  expect_byte_exact(res[1], 1, 0);
+  // A client without TLS does not get in (and does not hang).
+  raw_client plain(plain_serve());
+  auto t = std::chrono::steady_clock::now();
+  auto registry = plain.connect(port);
+  ASSERT_FALSE(registry);
+  EXPECT_EQ(static_cast<errc>(registry.error().code()), errc::coordinator_unreachable)
+    << render(registry.error());
+  EXPECT_LT(std::chrono::steady_clock::now() - t, 15s);
+  quit(t0);
+  quit(t1);
+  stop_coordinator_cleanly();
+}
+
+} // namespace
