@@ -202,6 +202,14 @@ TEST_F(GpuPublication, ByteExactTp2) {
   publish_three_times(2);
 }
 
+// FSDP4 -> TP4, the seed's validated world size (machines with 4 GPUs; skipped on fewer).
+TEST_F(GpuPublication, ByteExactTp4) {
+  REQUIRE_GPUS(4);
+  cfg = gpu_config({"cuda:0", "cuda:1", "cuda:2", "cuda:3"});
+  start();
+  publish_three_times(4);
+}
+
 // Trainer rank 0 and TP worker 0 on cuda:1: handles are found by UUID, not by ordinal. (CTest
 // also runs this binary's publications under CUDA_VISIBLE_DEVICES=1,0.)
 TEST_F(GpuPublication, PermutedDevicesFindTheirHandlesByUuid) {
