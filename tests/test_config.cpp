@@ -701,3 +701,15 @@ TEST(ConfigTransport, FollowsTheDevicesWhenLeftOutAndMustMatchThemWhenGiven) {
   expect_error(tiny_model + "publication: {transport: cuda_ipc}\n", "publication.transport",
                "transport 'cuda_ipc' needs cuda:N devices, but runtime.devices[0] is 'cpu:0'");
 }
+
+// Every shipped recipe is valid, and its transport matches its devices.
+TEST(ConfigRecipes, EveryShippedRecipeLoads) {
+  for (const char* file : {"/configs/tiny-cpu.yaml", "/configs/bench-cpu.yaml",
+                           "/configs/tiny-gpu.yaml", "/configs/qwen3-30b-a3b.yaml",
+                           "/configs/qwen3-30b-a3b-tp4.yaml"}) {
+    const auto cfg = config::load_file(source_dir + file);
+    const bool gpu = cfg.runtime.devices.front().rfind("cuda:", 0) == 0;
+    EXPECT_EQ(cfg.publication.transport, gpu ? "cuda_ipc" : "shm") << file;
+    EXPECT_EQ(cfg.runtime.devices.size(), cfg.runtime.tp_size) << file;
+  }
+}
