@@ -147,6 +147,20 @@ void fail_run(self_ptr self, std::uint64_t seq, const caf::error& err) {
 
 void step_schedule(self_ptr self, std::uint64_t seq);
 
+// Whether an answer to a step of run `seq` should carry the run on: not when the run ended
+// (or another began), nor when a rank left before anything was published; the run then ends
+// here with rank_lost.
+bool run_goes_on(self_ptr self, std::uint64_t seq) {
+  auto& st = self->state;
+  if (!st.run || st.run->seq != seq)
+    return false;
+  if (st.run->lost_rank) {
+    finish(self, lost_error(*st.run, "nothing was published"));
+    return false;
+  }
+  return true;
+}
+
 // Waits (polling) for the runtime to be IDLE: right after a failure the supervisor is still
 // bringing up the next incarnation.
 void poll_ready(self_ptr self, std::uint64_t seq) {
@@ -155,11 +169,9 @@ void poll_ready(self_ptr self, std::uint64_t seq) {
                 status_atom::value)
     .then(
       [self, seq](engine_status& s) {
-        auto& st = self->state;
-        if (!st.run || st.run->seq != seq)
+        if (!run_goes_on(self, seq))
           return;
-        if (st.run->lost_rank)
-          return finish(self, lost_error(*st.run, "nothing was published"));
+        auto& st = self->state;
         if (s.conn() == connection_state::idle)
           return step_schedule(self, seq);
         if (s.gave_up)
@@ -232,11 +244,9 @@ void send_publish(self_ptr self, std::uint64_t seq) {
   self->request(run.coordinator, std::chrono::seconds(10), status_atom::value)
     .then(
       [self, seq](coordinator_status& s) {
-        auto& st = self->state;
-        if (!st.run || st.run->seq != seq)
+        if (!run_goes_on(self, seq))
           return;
-        if (st.run->lost_rank)
-          return finish(self, lost_error(*st.run, "nothing was published"));
+        auto& st = self->state;
         st.run->failures_before = s.failures;
         st.run->publish_sent = true;
         self->request(st.run->coordinator, std::chrono::milliseconds(st.opts.publish_timeout_ms),
@@ -277,20 +287,15 @@ void step_schedule(self_ptr self, std::uint64_t seq) {
                 sleep_atom::value, std::uint32_t{2})
     .then(
       [self, seq](engine_status&) {
-        auto& st = self->state;
-        if (!st.run || st.run->seq != seq)
+        if (!run_goes_on(self, seq))
           return;
-        if (st.run->lost_rank)
-          return finish(self, lost_error(*st.run, "nothing was published"));
+        auto& st = self->state;
         self->request(st.engine, engine_timeout(st, st.opts.coordinator.timeouts_ms.wake_up),
                       wake_atom::value, wake_tags::only_weights())
           .then(
             [self, seq](engine_status&) {
-              auto& st = self->state;
-              if (!st.run || st.run->seq != seq)
+              if (!run_goes_on(self, seq))
                 return;
-              if (st.run->lost_rank)
-                return finish(self, lost_error(*st.run, "nothing was published"));
               send_publish(self, seq);
             },
             [self, seq](caf::error& err) { fail_run(self, seq, err); });
