@@ -8,17 +8,14 @@
 
 #include <caf/message.hpp>
 
+#include "journal_input.hpp"
 #include "runtime/journal_file.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
-  std::string bytes(reinterpret_cast<const char*>(data), size);
-  refit::journal::file f;
-  try {
-    f = refit::journal::parse(bytes, "<fuzz>");
-  } catch (const refit::journal::journal_error&) {
+  auto f = refit::fuzz::parse_journal_input(data, size);
+  if (!f)
     return 0;
-  }
-  for (const auto& e : f.entries) {
+  for (const auto& e : f->entries) {
     (void)refit::journal::render(e);
     (void)refit::journal::signature(e.elements);
     caf::message m;

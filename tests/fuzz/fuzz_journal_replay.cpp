@@ -7,22 +7,19 @@
 #include <cstdint>
 #include <string>
 
+#include "journal_input.hpp"
 #include "runtime/config.hpp"
 #include "runtime/journal_file.hpp"
 #include "runtime/replay.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
-  std::string bytes(reinterpret_cast<const char*>(data), size);
-  refit::journal::file f;
-  try {
-    f = refit::journal::parse(bytes, "<fuzz>");
-  } catch (const refit::journal::journal_error&) {
+  auto f = refit::fuzz::parse_journal_input(data, size);
+  if (!f)
     return 0;
-  }
-  if (f.entries.size() > 400)
-    f.entries.resize(400); // bounds the work per input
+  if (f->entries.size() > 400)
+    f->entries.resize(400); // bounds the work per input
   try {
-    (void)refit::replay::run(f, "<fuzz>");
+    (void)refit::replay::run(*f, "<fuzz>");
   } catch (const refit::config::config_error&) {
   } catch (const refit::journal::journal_error&) {
   }
