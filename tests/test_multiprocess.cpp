@@ -149,6 +149,13 @@ protected:
     return t;
   }
 
+  // Spawns rank 0, then rank 1, each waiting until it joined.
+  std::pair<std::unique_ptr<child_process>, std::unique_ptr<child_process>> trainers(const std::string& recipe) {
+    auto t0 = trainer(recipe, 0);
+    auto t1 = trainer(recipe, 1);
+    return {std::move(t0), std::move(t1)};
+  }
+
   static json read_json(child_process& p, std::chrono::milliseconds timeout) {
     auto line = p.read_line(timeout);
     if (!line)
@@ -235,6 +242,13 @@ protected:
     t.reset();
   }
 
+  // The trainers quit (in this order), then the coordinator stops cleanly.
+  template <class... Trainers>
+  void quit_and_stop(Trainers&... ts) {
+    (quit(ts), ...);
+    stop_coordinator_cleanly();
+  }
+
   int coordinators_ = 0;
   int trainers_ = 0;
 };
@@ -259,6 +273,15 @@ public:
     caf::error err;
     self->request(r, 10s, hello_atom::value, version, token)
       .receive([](welcome&, consensus_gate_actor&) {}, [&](caf::error& e) { err = std::move(e); });
+    return err;
+  }
+
+  // Joins with `req` but no rank or host actor behind it: what the registry answers.
+  caf::error join(const rank_registry_actor& r, const join_request& req) {
+    caf::scoped_actor self{*sys_};
+    caf::error err;
+    self->request(r, 10s, join_atom::value, req, trainer_rank_actor{}, trainer_host_actor{})
+      .receive([](join_ack&) {}, [&](caf::error& e) { err = std::move(e); });
     return err;
   }
 
@@ -305,8 +328,7 @@ TEST_F(MultiProcess, TwoTrainerProcessesPublishByteExactVersions) {
   auto recipe = write_recipe("recipe.yaml", {});
   start_coordinator(recipe);
   auto rt = runtime_pid(coordinator->pid());
-  auto t0 = trainer(recipe, 0);
-  auto t1 = trainer(recipe, 1);
+  auto [t0, t1] = trainers(recipe);
   double seconds = 0;
   for (std::uint64_t v = 1; v <= 3; ++v) {
     EXPECT_EQ(command(*t0, "step")["step"], v);
@@ -401,9 +423,7 @@ TEST_F(MultiProcess, TrainerKilledDuringMaterializationFailsEveryRankAndRejoins)
   expect_byte_exact(next[0], 2, 2);
   EXPECT_THAT(coordinator->stderr_text(), HasSubstr("rank 1 (pid "));
   EXPECT_THAT(coordinator->stderr_text(), HasSubstr("membership complete: 2 ranks, epoch 2"));
-  quit(t0);
-  quit(t1);
-  stop_coordinator_cleanly();
+  quit_and_stop(t0, t1);
 }
 
 TEST_F(MultiProcess, RuntimeFaultIsRepublishedWithTheRemoteRanks) {
@@ -412,8 +432,7 @@ TEST_F(MultiProcess, RuntimeFaultIsRepublishedWithTheRemoteRanks) {
   auto recipe = write_recipe("recipe.yaml", o);
   start_coordinator(recipe);
   auto first = runtime_pid(coordinator->pid());
-  auto t0 = trainer(recipe, 0);
-  auto t1 = trainer(recipe, 1);
+  auto [t0, t1] = trainers(recipe);
   command(*t0, "step");
   command(*t1, "step");
   auto res = publish_all({t0.get(), t1.get()}, 1);
@@ -421,16 +440,13 @@ TEST_F(MultiProcess, RuntimeFaultIsRepublishedWithTheRemoteRanks) {
   expect_byte_exact(res[1], 1, 1);
   EXPECT_EQ(res[0]["attempts"], 2) << "the killed runtime was replaced and the version republished";
   EXPECT_TRUE(gone_within(first, 5s));
-  quit(t0);
-  quit(t1);
-  stop_coordinator_cleanly();
+  quit_and_stop(t0, t1);
 }
 
 TEST_F(MultiProcess, RankLostWhileOthersWaitAtTheBarrier) {
   auto recipe = write_recipe("recipe.yaml", {});
   start_coordinator(recipe);
-  auto t0 = trainer(recipe, 0);
-  auto t1 = trainer(recipe, 1);
+  auto [t0, t1] = trainers(recipe);
   t0->send("publish 1");
   std::this_thread::sleep_for(300ms);
   t1->signal(SIGKILL);
@@ -438,15 +454,13 @@ TEST_F(MultiProcess, RankLostWhileOthersWaitAtTheBarrier) {
   EXPECT_EQ(res["error"]["code"], "rank_lost") << res.dump();
   EXPECT_THAT(res["error"]["message"].get<std::string>(), HasSubstr("nothing was published"));
   t1->wait(5s);
-  quit(t0);
-  stop_coordinator_cleanly();
+  quit_and_stop(t0);
 }
 
 TEST_F(MultiProcess, FrozenTrainerIsDeclaredGoneByHeartbeats) {
   auto recipe = write_recipe("recipe.yaml", {});
   start_coordinator(recipe);
-  auto t0 = trainer(recipe, 0);
-  auto t1 = trainer(recipe, 1);
+  auto [t0, t1] = trainers(recipe);
   t1->signal(SIGSTOP); // alive, connection open, but silent
   auto t = std::chrono::steady_clock::now();
   auto res = command(*t0, "publish 1", 60s);
@@ -457,8 +471,7 @@ TEST_F(MultiProcess, FrozenTrainerIsDeclaredGoneByHeartbeats) {
   EXPECT_LT(took, 30s);
   t1->signal(SIGKILL);
   t1->wait(5s);
-  quit(t0);
-  stop_coordinator_cleanly();
+  quit_and_stop(t0);
 }
 
 TEST_F(MultiProcess, BarrierTimeoutNamesTheRankThatNeverPublished) {
@@ -466,8 +479,7 @@ TEST_F(MultiProcess, BarrierTimeoutNamesTheRankThatNeverPublished) {
   o.barrier_ms = 1500;
   auto recipe = write_recipe("recipe.yaml", o);
   start_coordinator(recipe);
-  auto t0 = trainer(recipe, 0);
-  auto t1 = trainer(recipe, 1);
+  auto [t0, t1] = trainers(recipe);
   auto t = std::chrono::steady_clock::now();
   auto res = command(*t0, "publish 1", 30s);
   EXPECT_EQ(res["error"]["code"], "barrier_timeout") << res.dump();
@@ -475,9 +487,7 @@ TEST_F(MultiProcess, BarrierTimeoutNamesTheRankThatNeverPublished) {
   EXPECT_LT(std::chrono::steady_clock::now() - t, 10s);
   auto ok = publish_all({t0.get(), t1.get()}, 1);
   expect_byte_exact(ok[0], 1, 0);
-  quit(t0);
-  quit(t1);
-  stop_coordinator_cleanly();
+  quit_and_stop(t0, t1);
 }
 
 TEST_F(MultiProcess, WrongOrMissingTokenIsRefusedAndLogged) {
@@ -511,13 +521,10 @@ TEST_F(MultiProcess, WrongOrMissingTokenIsRefusedAndLogged) {
   EXPECT_THAT(log, Not(HasSubstr(wrong)));
   EXPECT_THAT(log, Not(HasSubstr(token)));
   // The refused attempts left nothing behind: real ranks still join and publish.
-  auto t0 = trainer(recipe, 0);
-  auto t1 = trainer(recipe, 1);
+  auto [t0, t1] = trainers(recipe);
   auto ok = publish_all({t0.get(), t1.get()}, 1);
   expect_byte_exact(ok[1], 1, 0);
-  quit(t0);
-  quit(t1);
-  stop_coordinator_cleanly();
+  quit_and_stop(t0, t1);
 }
 
 // Another wire protocol: a hello or join with another version, or a client expecting another
@@ -541,12 +548,7 @@ TEST_F(MultiProcess, ProtocolVersionMismatchIsRefused) {
   req.protocol_version = other;
   req.token = token;
   req.world = 2;
-  caf::error join_err;
-  {
-    caf::scoped_actor self{client.sys()};
-    self->request(*registry, 10s, join_atom::value, req, trainer_rank_actor{}, trainer_host_actor{})
-      .receive([](join_ack&) {}, [&](caf::error& e) { join_err = std::move(e); });
-  }
+  auto join_err = client.join(*registry, req);
   EXPECT_EQ(static_cast<errc>(join_err.code()), errc::protocol_mismatch) << render(join_err);
   EXPECT_EQ(error_where(join_err), "join.protocol_version");
 
@@ -566,13 +568,6 @@ TEST_F(MultiProcess, JoinRefusalsNameTheField) {
   raw_client client(plain_serve());
   auto registry = client.connect(port);
   ASSERT_TRUE(registry) << render(registry.error());
-  auto join = [&](join_request req) {
-    caf::scoped_actor self{client.sys()};
-    caf::error err;
-    self->request(*registry, 10s, join_atom::value, req, trainer_rank_actor{}, trainer_host_actor{})
-      .receive([](join_ack&) {}, [&](caf::error& e) { err = std::move(e); });
-    return err;
-  };
   join_request good;
   good.protocol_version = wire::serve_protocol_version;
   good.token = token;
@@ -583,7 +578,7 @@ TEST_F(MultiProcess, JoinRefusalsNameTheField) {
   good.collective_endpoint = "memfd:1:1";
   auto expect_refused = [&](join_request req, errc code, const std::string& where,
                             const std::string& text) {
-    auto err = join(std::move(req));
+    auto err = client.join(*registry, req);
     EXPECT_EQ(static_cast<errc>(err.code()), code) << render(err);
     EXPECT_EQ(error_where(err), where) << render(err);
     EXPECT_THAT(error_message(err), HasSubstr(text));
@@ -617,8 +612,7 @@ TEST_F(MultiProcess, JoinRefusalsNameTheField) {
   ASSERT_EQ(st->members.size(), 1u);
   EXPECT_EQ(st->members[0].pid, t0->pid());
   EXPECT_EQ(st->refusals, 7u);
-  quit(t0);
-  stop_coordinator_cleanly();
+  quit_and_stop(t0);
 }
 
 TEST_F(MultiProcess, NothingListeningIsUnreachableWithinTheJoinTimeout) {
@@ -649,17 +643,14 @@ TEST_F(MultiProcess, TrainersStartedBeforeTheCoordinatorJoinOnceItListens) {
   EXPECT_EQ(read_json(*early1, 30s)["event"], "connected");
   auto res = publish_all({early0.get(), early1.get()}, 1);
   expect_byte_exact(res[0], 1, 0);
-  quit(early0);
-  quit(early1);
-  stop_coordinator_cleanly();
+  quit_and_stop(early0, early1);
 }
 
 TEST_F(MultiProcess, CoordinatorRestartWhileRanksWaitIsATypedErrorNotAHang) {
   auto recipe = write_recipe("recipe.yaml", {});
   start_coordinator(recipe);
   auto first_runtime = runtime_pid(coordinator->pid());
-  auto t0 = trainer(recipe, 0);
-  auto t1 = trainer(recipe, 1);
+  auto [t0, t1] = trainers(recipe);
   expect_byte_exact(publish_all({t0.get(), t1.get()}, 1)[0], 1, 0);
   t0->send("publish 2"); // rank 1 does not: rank 0 waits at the barrier
   std::this_thread::sleep_for(300ms);
@@ -681,12 +672,9 @@ TEST_F(MultiProcess, CoordinatorRestartWhileRanksWaitIsATypedErrorNotAHang) {
   EXPECT_EQ(port, old_port);
   quit(t0);
   quit(t1);
-  auto n0 = trainer(recipe, 0);
-  auto n1 = trainer(recipe, 1);
+  auto [n0, n1] = trainers(recipe);
   expect_byte_exact(publish_all({n0.get(), n1.get()}, 1)[0], 1, 0);
-  quit(n0);
-  quit(n1);
-  stop_coordinator_cleanly();
+  quit_and_stop(n0, n1);
 }
 
 TEST_F(MultiProcess, EmbeddedCoordinatorInRankZerosProcess) {
@@ -726,8 +714,7 @@ TEST_F(MultiProcess, TlsWithMutualCertificates) {
   auto recipe = write_recipe("recipe.yaml", o);
   start_coordinator(recipe);
   EXPECT_THAT(serving_line, HasSubstr("tls on"));
-  auto t0 = trainer(recipe, 0);
-  auto t1 = trainer(recipe, 1);
+  auto [t0, t1] = trainers(recipe);
   auto res = publish_all({t0.get(), t1.get()}, 1);
   expect_byte_exact(res[0], 1, 0);
   expect_byte_exact(res[1], 1, 0);
@@ -739,9 +726,7 @@ TEST_F(MultiProcess, TlsWithMutualCertificates) {
   EXPECT_EQ(static_cast<errc>(registry.error().code()), errc::coordinator_unreachable)
     << render(registry.error());
   EXPECT_LT(std::chrono::steady_clock::now() - t, 15s);
-  quit(t0);
-  quit(t1);
-  stop_coordinator_cleanly();
+  quit_and_stop(t0, t1);
 }
 
 } // namespace
