@@ -257,7 +257,6 @@ trainer_rank_impl::behavior_type trainer_rank(self_ptr self, trainer_rank_option
       st.session = session;
       st.last_transferred = -1;
       st.last_requested = -1;
-      st.materialized_bytes = 0;
       st.packed.clear();
       st.worker->post([o = st.opts, shards = st.shards, error = st.storage_error, session, r,
                        post_back]() mutable {
@@ -302,8 +301,10 @@ trainer_rank_impl::behavior_type trainer_rank(self_ptr self, trainer_rank_option
         for (const auto& t : r.tensors)
           bytes = std::max<std::uint64_t>(bytes, t.offset + t.nbytes);
         st.packed[r.phase.chunk] = bytes;
-        st.materialized_bytes += bytes;
-        st.peak_materialized_bytes = std::max(st.peak_materialized_bytes, st.materialized_bytes);
+        std::uint64_t held = 0;
+        for (const auto& [chunk, b] : st.packed)
+          held += b;
+        st.peak_materialized_bytes = std::max(st.peak_materialized_bytes, held);
       }
       report(self, std::move(r));
     },
@@ -322,10 +323,7 @@ trainer_rank_impl::behavior_type trainer_rank(self_ptr self, trainer_rank_option
       }
       st.last_transferred = k;
       // The runtime finished reading chunk k's buffer.
-      if (auto it = st.packed.find(k); it != st.packed.end()) {
-        st.materialized_bytes -= it->second;
-        st.packed.erase(it);
-      }
+      st.packed.erase(k);
       report(self, std::move(r));
     },
     [=](manifest_atom, const std::string& pub) {
@@ -372,7 +370,6 @@ trainer_rank_impl::behavior_type trainer_rank(self_ptr self, trainer_rank_option
         st.session->coll->abort("publication failed at " + to_string(failure.phase) + " (rank "
                                 + std::to_string(failure.rank) + "): " + failure.error);
       st.session.reset();
-      st.materialized_bytes = 0;
       st.packed.clear();
     },
   };

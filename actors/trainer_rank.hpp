@@ -1,7 +1,7 @@
 // TrainerRank: one per trainer rank. Owns its FSDP dim-0 shard of every canonical tensor
 // (synthetic weights), and per publication: re-plans from its own model config (validation
-// point 1), materializes exactly one planned chunk at a time into its packed host buffer
-// through the collective, checks every emitted tensor against the plan (point 2), records its
+// point 1), materializes planned chunks in order through the collective into its packed
+// buffers (host memfds or GPU memory; up to buffer_count chunks held at once), checks every emitted tensor against the plan (point 2), records its
 // actual manifest (point 3) and checks the committed result (point 7). Blocking work runs on a
 // worker thread the actor owns; every phase outcome goes to the ConsensusGate.
 #pragma once
@@ -71,7 +71,6 @@ struct trainer_rank_state {
   std::int64_t last_transferred = -1;    // chunk index whose transfer this rank reported
   std::int64_t last_requested = -1;      // chunk index last asked to materialize
   std::map<std::uint32_t, std::uint64_t> packed; // chunk -> packed bytes not yet transferred
-  std::uint64_t materialized_bytes = 0;  // their sum
   std::uint64_t peak_materialized_bytes = 0;
   struct armed_fault {
     config::trainer_fault fault;

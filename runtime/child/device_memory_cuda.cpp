@@ -18,10 +18,6 @@ public:
   explicit cuda_memory(device::spec device)
     : device_memory(device), uuid_(cuda::device_uuid(device.index)), stream_(device.index) {}
 
-  ~cuda_memory() override {
-    // device_buffers must be gone by now (the worker frees them first).
-  }
-
   device_buffer alloc(std::uint64_t bytes, const std::string& what) override {
     if (bytes == 0)
       throw std::invalid_argument(device::to_string(device()) + ": zero-byte allocation for "
