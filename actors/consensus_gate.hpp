@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "actors/interfaces.hpp"
-#include "runtime/journal.hpp"
+#include "runtime/journal/journal.hpp"
 
 namespace refit {
 

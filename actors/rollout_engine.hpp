@@ -8,8 +8,8 @@
 #include <string>
 
 #include "actors/interfaces.hpp"
-#include "runtime/config.hpp"
-#include "runtime/journal.hpp"
+#include "runtime/config/config.hpp"
+#include "runtime/journal/journal.hpp"
 
 namespace refit {
 

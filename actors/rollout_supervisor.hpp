@@ -11,7 +11,7 @@
 #include <string>
 
 #include "actors/interfaces.hpp"
-#include "runtime/config.hpp"
+#include "runtime/config/config.hpp"
 
 namespace refit {
 

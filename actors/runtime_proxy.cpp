@@ -9,8 +9,8 @@
 #include <caf/typed_event_based_actor.hpp>
 
 #include "messages/control.pb.h"
-#include "runtime/protocol.hpp"
-#include "runtime/runtime_channel.hpp"
+#include "runtime/control/protocol.hpp"
+#include "runtime/control/runtime_channel.hpp"
 
 namespace refit {
 

@@ -14,8 +14,8 @@
 #include <vector>
 
 #include "actors/interfaces.hpp"
-#include "runtime/config.hpp"
-#include "runtime/runtime_channel.hpp"
+#include "runtime/config/config.hpp"
+#include "runtime/control/runtime_channel.hpp"
 
 namespace refit {
 

@@ -9,8 +9,8 @@
 #include <caf/typed_event_based_actor.hpp>
 
 #include "runtime/model/digest.hpp"
-#include "runtime/protocol_version.hpp"
-#include "runtime/device.hpp"
+#include "runtime/control/protocol_version.hpp"
+#include "runtime/device/device.hpp"
 #include "runtime/publication/backend.hpp"
 #include "runtime/publication/shard.hpp"
 

@@ -19,10 +19,11 @@
 #include <vector>
 
 #include "actors/interfaces.hpp"
-#include "runtime/config.hpp"
-#include "runtime/journal.hpp"
+#include "runtime/config/config.hpp"
+#include "runtime/journal/journal.hpp"
+#include "runtime/model/synthetic.hpp"
 #include "runtime/publication/chunk_plan.hpp"
-#include "runtime/worker_thread.hpp"
+#include "runtime/control/worker_thread.hpp"
 
 namespace refit {
 

@@ -7,7 +7,7 @@
 #include <caf/stateful_actor.hpp>
 #include <caf/typed_event_based_actor.hpp>
 
-#include "runtime/device.hpp"
+#include "runtime/device/device.hpp"
 
 namespace refit {
 

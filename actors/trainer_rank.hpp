@@ -13,12 +13,12 @@
 #include <vector>
 
 #include "actors/interfaces.hpp"
-#include "runtime/config.hpp"
+#include "runtime/config/config.hpp"
 #include "runtime/publication/chunk_plan.hpp"
 #include "runtime/publication/collective_registry.hpp"
 #include "runtime/publication/backend.hpp"
 #include "runtime/publication/shard.hpp"
-#include "runtime/worker_thread.hpp"
+#include "runtime/control/worker_thread.hpp"
 
 namespace refit {
 

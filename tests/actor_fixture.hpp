@@ -25,7 +25,7 @@
 
 #include "messages/errors.hpp"
 #include "messages/types.hpp"
-#include "runtime/bootstrap.hpp"
+#include "runtime/system/bootstrap.hpp"
 
 namespace refit_test {
 

@@ -15,8 +15,8 @@
 #include <unistd.h>
 
 #include "actors/sync_coordinator.hpp"
-#include "runtime/bootstrap.hpp"
-#include "runtime/process.hpp"
+#include "runtime/system/bootstrap.hpp"
+#include "runtime/control/process.hpp"
 
 namespace refit::testing {
 

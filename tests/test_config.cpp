@@ -1,6 +1,6 @@
 // Typed YAML config: shipped recipes, the embedded default, and every rejection path
 // (unknown keys, wrong types, ranges, devices, model validation, syntax, files).
-#include "runtime/config.hpp"
+#include "runtime/config/config.hpp"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

@@ -22,9 +22,9 @@
 #include <gmock/gmock.h>
 #include <unistd.h>
 
-#include "runtime/bootstrap.hpp"
-#include "runtime/journal_file.hpp"
-#include "runtime/replay.hpp"
+#include "runtime/system/bootstrap.hpp"
+#include "runtime/journal/journal_file.hpp"
+#include "runtime/system/replay.hpp"
 #include "tests/actor_fixture.hpp"
 #include "tests/fake_proxy.hpp"
 #include "tests/fake_rank.hpp"

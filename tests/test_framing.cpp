@@ -34,9 +34,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include "runtime/framing.hpp"
-#include "runtime/protocol.hpp"
-#include "runtime/protocol_version.hpp"
+#include "runtime/control/framing.hpp"
+#include "runtime/control/protocol.hpp"
+#include "runtime/control/protocol_version.hpp"
 
 namespace {
 

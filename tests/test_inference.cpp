@@ -29,6 +29,7 @@
 #include "runtime/inference/tokenizer.hpp"
 #include "runtime/inference/tp_comm.hpp"
 #include "runtime/model/qwen3_moe.hpp"
+#include "runtime/model/synthetic.hpp"
 
 namespace {
 

@@ -3,6 +3,7 @@
 // straightforward index computation (reference_source below).
 #include "model_configs.hpp"
 #include "runtime/model/qwen3_moe.hpp"
+#include "runtime/model/synthetic.hpp"
 
 #include <gtest/gtest.h>
 

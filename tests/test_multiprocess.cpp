@@ -24,10 +24,10 @@
 
 #include "actors/sync_coordinator.hpp"
 #include "child_process.hpp"
-#include "runtime/bootstrap.hpp"
+#include "runtime/system/bootstrap.hpp"
 #include "runtime/model/qwen3_moe.hpp"
-#include "runtime/network.hpp"
-#include "runtime/protocol_version.hpp"
+#include "runtime/system/network.hpp"
+#include "runtime/control/protocol_version.hpp"
 
 namespace {
 

@@ -11,8 +11,8 @@
 
 #include "publication_fixture.hpp"
 #include "run_command.hpp"
-#include "runtime/journal_file.hpp"
-#include "runtime/replay.hpp"
+#include "runtime/journal/journal_file.hpp"
+#include "runtime/system/replay.hpp"
 
 using namespace refit;
 using namespace refit::testing;

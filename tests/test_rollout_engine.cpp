@@ -14,7 +14,7 @@
 #include <caf/stateful_actor.hpp>
 #include <caf/typed_event_based_actor.hpp>
 
-#include "runtime/protocol_version.hpp"
+#include "runtime/control/protocol_version.hpp"
 #include "tests/actor_fixture.hpp"
 #include "tests/fake_proxy.hpp"
 

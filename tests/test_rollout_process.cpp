@@ -12,8 +12,8 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
-#include "runtime/bootstrap.hpp"
-#include "runtime/process.hpp"
+#include "runtime/system/bootstrap.hpp"
+#include "runtime/control/process.hpp"
 
 using namespace refit;
 using namespace std::chrono_literals;

@@ -21,15 +21,16 @@
 #include <vector>
 
 #include "messages/control.pb.h"
-#include "runtime/config.hpp"
-#include "runtime/device.hpp"
-#include "runtime/framing.hpp"
+#include "runtime/config/config.hpp"
+#include "runtime/device/device.hpp"
+#include "runtime/control/framing.hpp"
 #include "runtime/inference/reference.hpp"
 #include "runtime/model/digest.hpp"
 #include "runtime/model/qwen3_moe.hpp"
-#include "runtime/process.hpp"
-#include "runtime/protocol.hpp"
-#include "runtime/protocol_version.hpp"
+#include "runtime/model/synthetic.hpp"
+#include "runtime/control/process.hpp"
+#include "runtime/control/protocol.hpp"
+#include "runtime/control/protocol_version.hpp"
 #include "runtime/publication/host_buffer.hpp"
 
 namespace {

@@ -8,7 +8,7 @@
 #include <gtest/gtest.h>
 
 #include "messages/net_type_ids.hpp"
-#include "runtime/bootstrap.hpp"
+#include "runtime/system/bootstrap.hpp"
 
 namespace {
 

@@ -20,15 +20,16 @@
 
 #include "actors/trainer_host.hpp"
 #include "actors/trainer_rank.hpp"
-#include "runtime/bootstrap.hpp"
-#include "runtime/device.hpp"
+#include "runtime/system/bootstrap.hpp"
+#include "runtime/device/device.hpp"
 #include "runtime/model/qwen3_moe.hpp"
-#include "runtime/network.hpp"
-#include "runtime/process.hpp"
-#include "runtime/protocol_version.hpp"
+#include "runtime/model/synthetic.hpp"
+#include "runtime/system/network.hpp"
+#include "runtime/control/process.hpp"
+#include "runtime/control/protocol_version.hpp"
 #include "runtime/publication/backend.hpp"
 #include "runtime/publication/shm_collective.hpp"
-#include "runtime/serve.hpp"
+#include "runtime/system/serve.hpp"
 
 #ifndef REFIT_LIBRARY_VERSION
 #define REFIT_LIBRARY_VERSION "unknown"

@@ -19,8 +19,9 @@
 #include <string>
 #include <vector>
 
-#include "runtime/device.hpp"
+#include "runtime/device/device.hpp"
 #include "runtime/model/qwen3_moe.hpp"
+#include "runtime/model/synthetic.hpp"
 
 namespace refit::child {
 

@@ -22,9 +22,9 @@
 
 #include "runtime/child/device_memory.hpp"
 #include "runtime/child/server.hpp"
-#include "runtime/config.hpp"
-#include "runtime/device.hpp"
-#include "runtime/framing.hpp"
+#include "runtime/config/config.hpp"
+#include "runtime/device/device.hpp"
+#include "runtime/control/framing.hpp"
 #include "runtime/model/qwen3_moe.hpp"
 
 namespace {

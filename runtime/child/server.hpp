@@ -16,7 +16,7 @@
 #include "messages/control.pb.h"
 #include "runtime/child/weight_transfer.hpp"
 #include "runtime/child/worker.hpp"
-#include "runtime/device.hpp"
+#include "runtime/device/device.hpp"
 #include "runtime/inference/generator.hpp"
 #include "runtime/inference/tp_comm.hpp"
 #include "runtime/model/qwen3_moe.hpp"

@@ -5,7 +5,7 @@
 #include <utility>
 
 #include "runtime/child/command_error.hpp"
-#include "runtime/protocol_version.hpp"
+#include "runtime/control/protocol_version.hpp"
 
 namespace refit::child {
 

@@ -21,9 +21,10 @@
 #include <vector>
 
 #include "runtime/child/device_memory.hpp"
-#include "runtime/device.hpp"
+#include "runtime/device/device.hpp"
 #include "runtime/inference/generator.hpp"
 #include "runtime/model/qwen3_moe.hpp"
+#include "runtime/model/synthetic.hpp"
 #include "runtime/publication/host_buffer.hpp"
 
 namespace refit::child {

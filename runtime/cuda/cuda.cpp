@@ -9,7 +9,7 @@
 #include <nccl.h>
 
 #include "runtime/cuda/kernels.hpp"
-#include "runtime/device.hpp"
+#include "runtime/device/device.hpp"
 #include "runtime/model/digest.hpp"
 
 namespace refit::cuda {

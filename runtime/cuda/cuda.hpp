@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "runtime/model/qwen3_moe.hpp"
+#include "runtime/model/synthetic.hpp"
 
 namespace refit::cuda {
 

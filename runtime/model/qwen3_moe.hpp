@@ -1,6 +1,6 @@
 // Qwen3-MoE (`qwen3_moe`) model schema: config, the expected canonical HF key stream
 // (planned from the config alone), the structural manifest, the TP resident layout of the
-// rollout runtime and the deterministic synthetic weights used by trainer ranks and tests.
+// rollout runtime (the synthetic weights are in synthetic.hpp).
 //
 // Pure C++ (no LibTorch, no CAF): shared by trainer ranks, the coordinator and refit-runtime.
 #pragma once
@@ -132,37 +132,10 @@ private:
   std::uint64_t resident_bytes_ = 0;
 };
 
-// ---------------------------------------------------------------------------------------
-// Deterministic synthetic weights: value of element `index` (global, row-major index in
-// the full canonical tensor) of tensor `name`, after `step` synthetic optimizer steps:
-//   w_0 = init(seed, name, index)
-//   w_{s} = round_to_dtype(w_{s-1} + lr * noise(seed, s, name, index))
-// Counter-based (no RNG state), so any shard or the full tensor can be recomputed.
-// ---------------------------------------------------------------------------------------
-struct synthetic_weights {
-  std::uint64_t seed = 0;
-  float lr = 1e-3f;
-  float init_scale = 0.02f;
-};
-
-// Fills `out` with elements [begin, begin + count) of tensor `p` at optimizer step `step`,
-// encoded in p.dt. Norm weights (names ending in "norm.weight") start around 1.0.
-void fill_synthetic(const param_meta& p, const synthetic_weights& w, std::uint64_t step,
-                    std::uint64_t begin, std::uint64_t count, std::byte* out);
-
-// The counter-stream bases behind tensor `name`'s values at `step`: element e of the stream
-// of step s is uniform(bases[s], e) (out has step + 1 entries; the device twin in
-// runtime/cuda uses them), and whether the name is a norm weight (initialized around 1.0).
-std::vector<std::uint64_t> synthetic_bases(const std::string& name, std::uint64_t seed,
-                                           std::uint64_t step);
-bool synthetic_is_norm(const std::string& name);
-
-// Advances elements in place by one synthetic optimizer step (step is the new step number).
-void apply_synthetic_step(const param_meta& p, const synthetic_weights& w, std::uint64_t step,
-                          std::uint64_t begin, std::uint64_t count, std::byte* inout);
-
-// bf16 <-> fp32 (round to nearest even).
+// bf16 <-> fp32 and fp16 <-> fp32 (round to nearest even).
 std::uint16_t float_to_bf16(float f);
 float bf16_to_float(std::uint16_t b);
+std::uint16_t float_to_half(float f);
+float half_to_float(std::uint16_t h);
 
 } // namespace refit::model

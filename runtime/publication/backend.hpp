@@ -11,8 +11,9 @@
 #include <string>
 #include <vector>
 
-#include "runtime/device.hpp"
+#include "runtime/device/device.hpp"
 #include "runtime/model/qwen3_moe.hpp"
+#include "runtime/model/synthetic.hpp"
 #include "runtime/publication/collective_registry.hpp"
 
 namespace refit::publication {

@@ -11,8 +11,9 @@
 #include <unordered_map>
 #include <vector>
 
-#include "runtime/device.hpp"
+#include "runtime/device/device.hpp"
 #include "runtime/model/qwen3_moe.hpp"
+#include "runtime/model/synthetic.hpp"
 
 namespace refit::publication {
 

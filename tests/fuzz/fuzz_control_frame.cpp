@@ -7,8 +7,8 @@
 #include <string>
 
 #include "messages/control.pb.h"
-#include "runtime/framing.hpp"
-#include "runtime/protocol.hpp"
+#include "runtime/control/framing.hpp"
+#include "runtime/control/protocol.hpp"
 
 namespace pb = refit::control::v1;
 

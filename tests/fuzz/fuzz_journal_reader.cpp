@@ -9,7 +9,7 @@
 #include <caf/message.hpp>
 
 #include "journal_input.hpp"
-#include "runtime/journal_file.hpp"
+#include "runtime/journal/journal_file.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   auto f = refit::fuzz::parse_journal_input(data, size);

@@ -8,9 +8,9 @@
 #include <string>
 
 #include "journal_input.hpp"
-#include "runtime/config.hpp"
-#include "runtime/journal_file.hpp"
-#include "runtime/replay.hpp"
+#include "runtime/config/config.hpp"
+#include "runtime/journal/journal_file.hpp"
+#include "runtime/system/replay.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   auto f = refit::fuzz::parse_journal_input(data, size);

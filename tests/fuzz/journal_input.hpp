@@ -7,7 +7,7 @@
 #include <optional>
 #include <string>
 
-#include "runtime/journal_file.hpp"
+#include "runtime/journal/journal_file.hpp"
 
 namespace refit::fuzz {
 

@@ -1,0 +1,89 @@
+#include "runtime/system/serve.hpp"
+
+#include <unistd.h>
+
+#include <caf/send.hpp>
+#include <caf/stateful_actor.hpp>
+#include <caf/typed_event_based_actor.hpp>
+
+#include "actors/consensus_gate.hpp"
+#include "actors/rank_registry.hpp"
+#include "runtime/model/qwen3_moe.hpp"
+#include "runtime/system/network.hpp"
+#include "runtime/control/protocol_version.hpp"
+
+namespace refit::serve {
+
+bounds bounds_of(const config::refit_config& cfg) {
+  bounds b;
+  // As long as a republish waits: the supervisor's whole restart schedule plus one startup.
+  b.ready_wait_ms = cfg.runtime.timeouts_ms.startup
+                    + cfg.supervisor.backoff_max_ms * (cfg.supervisor.max_restarts + 1) + 10000;
+  b.membership_wait_ms = cfg.serve.publish_barrier_ms;
+  // The registry answers within barrier + readiness + publication (+ the schedule's requests);
+  // a rank's request waits a margin longer, so the registry's typed error arrives first.
+  b.host_publish_timeout_ms = cfg.serve.publish_barrier_ms + b.ready_wait_ms
+                              + cfg.serve.publish_timeout_ms
+                              + 3 * (cfg.runtime.timeouts_ms.sleep + cfg.runtime.timeouts_ms.startup)
+                              + 30000;
+  return b;
+}
+
+std::string process_identity() {
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  return "pid " + std::to_string(::getpid()) + " on " + host;
+}
+
+caf::expected<coordinator_services> start_coordinator(caf::actor_system& sys,
+                                                      const config::refit_config& cfg,
+                                                      const std::string& runtime_exe,
+                                                      std::uint16_t port,
+                                                      std::function<void(const std::string&)> log) {
+  std::string token;
+  try {
+    token = config::resolve_token(cfg.serve);
+  } catch (const config::config_error& e) {
+    return make_refit_error(errc::invalid_argument, e.key, e.what());
+  }
+  coordinator_services s;
+  s.rollout = spawn_rollout(sys, cfg, make_runtime_proxy_factory(cfg, runtime_exe));
+  engine_status status;
+  auto ready_within = std::chrono::milliseconds(cfg.runtime.timeouts_ms.startup) + std::chrono::seconds(10);
+  if (!wait_until_ready(sys, s.rollout.engine, ready_within, &status)) {
+    shutdown_rollout(sys, s.rollout);
+    return make_refit_error(errc::not_attached, "runtime",
+                            "the runtime did not become ready: " + status.last_error);
+  }
+  s.gate = spawn_gate(sys, s.rollout.journal);
+  rank_registry_options ro;
+  ro.world = config::serve_world(cfg);
+  ro.protocol_version = wire::serve_protocol_version;
+  ro.token = std::move(token);
+  ro.manifest_fingerprint = model::structural_manifest(model::expected_key_stream(cfg.model));
+  ro.identity = process_identity();
+  ro.coordinator = coordinator_options(cfg);
+  auto b = bounds_of(cfg);
+  ro.publish_barrier_ms = cfg.serve.publish_barrier_ms;
+  ro.publish_timeout_ms = cfg.serve.publish_timeout_ms;
+  ro.ready_wait_ms = b.ready_wait_ms;
+  ro.log = std::move(log);
+  s.registry = sys.spawn(rank_registry, std::move(ro), s.rollout.engine, s.gate);
+  auto bound = net::publish_registry(sys, s.registry, cfg.serve, port);
+  if (!bound) {
+    stop_coordinator(sys, s);
+    return bound.error();
+  }
+  s.port = *bound;
+  return s;
+}
+
+void stop_coordinator(caf::actor_system& sys, const coordinator_services& s) {
+  if (s.registry)
+    caf::anon_send_exit(s.registry, caf::exit_reason::user_shutdown);
+  if (s.gate)
+    caf::anon_send_exit(s.gate, caf::exit_reason::user_shutdown);
+  shutdown_rollout(sys, s.rollout);
+}
+
+} // namespace refit::serve

@@ -1,0 +1,156 @@
+// refit-bench: benchmarks of refit's hot paths on a recipe (configs/*.yaml).
+//
+//   refit-bench publish --config configs/bench-cpu.yaml [--iterations N] [--verify] [--json]
+//   refit-bench soak --config configs/tiny-cpu.yaml --cycles N [--seed S] [--json]
+//
+// `publish` (runtime/bench/publish_bench.hpp) times whole publications against a bound
+// measured in the same run. `soak` (runtime/bench/soak.hpp) runs N publish/fault/restart
+// cycles with seeded random runtime faults in one actor system, checks every generation
+// against the trainer's reference and reports leaked processes, /dev/shm entries and fds; it
+// exits 1 unless all N cycles committed with nothing stale and nothing leaked.
+// This file only parses flags and prints.
+#include <iostream>
+#include <string>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include "runtime/bench/publish_bench.hpp"
+#include "runtime/bench/soak.hpp"
+#include "runtime/config/config.hpp"
+#include "runtime/control/process.hpp"
+
+namespace {
+
+using json = nlohmann::ordered_json;
+constexpr const char* program = "refit-bench";
+
+int fail(const std::string& what) {
+  std::cerr << program << ": " << what << std::endl;
+  return 1;
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"refit-bench: benchmarks refit's weight publication path on a recipe "
+               "(configs/*.yaml)."};
+  app.require_subcommand(1, 1);
+  refit::bench::publish_options o;
+  auto* publish = app.add_subcommand(
+    "publish",
+    "Start the rollout runtime and the trainer side in this process, run --iterations timed "
+    "publications (versions 1..N, a synthetic optimizer step on every rank between them, each "
+    "inside the colocated sleep(2) -> wake(weights) -> publish -> wake(kv_cache) schedule, "
+    "verifier off), and compare the median publication time (first chunk requested -> "
+    "version committed) with a plain single-threaded memcpy of the same bytes. Prints tensors, "
+    "bytes, chunks, trainer_ranks, tp, seconds, gbps, bound_gbps, ratio = gbps / bound_gbps, "
+    "peak_extra_bytes and, with --verify, verified.");
+  publish->add_option("-c,--config", o.config_path,
+                      "YAML recipe to benchmark (required), e.g. configs/bench-cpu.yaml")
+    ->required();
+  publish->add_option("-n,--iterations", o.iterations,
+                      "number of timed publications (default 5); `seconds` is their median")
+    ->check(CLI::Range(1u, 1000u));
+  publish->add_flag("--verify", o.verify,
+                    "after the timed publications, run one more publication with "
+                    "publication.verify = true (byte-exact SHA-256 of every resident tensor) "
+                    "and report verified: true only if it committed");
+  publish->add_flag("--json", o.as_json, "print one JSON object instead of a table");
+  publish->add_option("--bound-reps", o.bound_reps,
+                      "memcpy repetitions timed for the bound right after each publication "
+                      "(default 3); bound_gbps uses the median of all of them")
+    ->check(CLI::Range(1u, 100u));
+  publish->add_option("--scheduler", o.scheduler,
+                      "CAF scheduler policy of this process (trainer ranks, coordinator, "
+                      "engine): sharing (default: idle workers block) or stealing (CAF's "
+                      "default: idle workers poll, competing with the copies on few cores)")
+    ->check(CLI::IsMember({"sharing", "stealing"}));
+  refit::soak::soak_options so;
+  auto* soak = app.add_subcommand(
+    "soak",
+    "Run --cycles publish/fault/restart cycles in one process: every cycle injects a seeded "
+    "random runtime fault (command x kind) into its publication, the coordinator republishes "
+    "the same version on the supervisor's fresh runtime, then a generation is checked against "
+    "the trainer's reference. Prints cycles, faults, restarts, commits, stale_generations, "
+    "leaked_processes, leaked_shm, leaked_fds, seconds, seed and a per-cycle list; exits 1 "
+    "unless every cycle committed with no stale generation and nothing leaked.");
+  soak->add_option("-c,--config", so.config_path, "YAML recipe (required), e.g. configs/tiny-cpu.yaml")
+    ->required();
+  soak->add_option("-n,--cycles", so.cycles, "publish/fault/restart cycles (default 10)")
+    ->check(CLI::Range(1u, 100000u));
+  soak->add_option("--seed", so.seed, "seed of the fault plan (default 1)");
+  soak->add_option("--command-timeout-ms", so.command_timeout_ms,
+                   "timeout of the publication commands in the soak's copy of the recipe "
+                   "(default 500), so that injected stalls are detected quickly")
+    ->check(CLI::Range(1u, 3600000u));
+  soak->add_flag("--json", so.as_json, "print one JSON object instead of a table");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::cerr << program << ": bad arguments: " << e.what() << " (see --help)" << std::endl;
+    return 2;
+  }
+
+  const bool soaking = soak->parsed();
+  if (soaking)
+    o.config_path = so.config_path;
+  refit::config::refit_config cfg;
+  try {
+    cfg = refit::config::load_file(o.config_path);
+  } catch (const refit::config::config_error& e) {
+    return fail(std::string("bad config: ") + e.what());
+  } catch (const std::exception& e) {
+    return fail("bad config '" + o.config_path + "': " + e.what());
+  }
+  std::string runtime_exe;
+  try {
+    runtime_exe = refit::proc::resolve_executable(cfg.runtime.executable);
+  } catch (const std::exception& e) {
+    return fail(std::string("bad config: runtime.executable: ") + e.what());
+  }
+
+  if (soaking) {
+    nlohmann::ordered_json r;
+    try {
+      r = refit::soak::run(so, cfg, runtime_exe);
+    } catch (const std::exception& e) {
+      return fail(std::string("soak: ") + e.what());
+    }
+    if (so.as_json)
+      std::cout << r.dump(2) << std::endl;
+    else
+      refit::soak::print_table(r);
+    if (!refit::soak::passed(r)) {
+      std::cerr << program << ": soak failed"
+                << (r.contains("error") ? ": " + r["error"].get<std::string>() : std::string())
+                << std::endl;
+      return 1;
+    }
+    return 0;
+  }
+
+  json result;
+  try {
+    result = refit::bench::run_publish(o, cfg, runtime_exe);
+  } catch (const refit::bench::bench_error& e) {
+    return fail(e.what());
+  } catch (const std::exception& e) {
+    return fail(std::string("unexpected failure: ") + e.what());
+  }
+  if (o.as_json)
+    std::cout << result.dump(2) << std::endl;
+  else
+    refit::bench::print_publish_table(result);
+  if (o.verify && !result["verified"].get<bool>()) {
+    std::cerr << program << ": the verified publication failed: "
+              << result["verify"].value("error", std::string("no resident checksums"))
+              << std::endl;
+    return 1;
+  }
+  return 0;
+}
