@@ -117,6 +117,20 @@ int server::serve() {
         return 1;
       continue;
     }
+    if (fault && fault->kind == fault_kind::skew_logprobs) {
+      // Runs generation for real, then reports logprobs that the weights do not give: the
+      // parent's parity check against its reference forward must catch it.
+      pb::Response response = execute(request);
+      if (response.ok() && response.has_generate()) {
+        for (auto& s : *response.mutable_generate()->mutable_samples())
+          for (auto& lp : *s.mutable_logprobs())
+            lp += 0.5f;
+        log_line("injecting fault skew_logprobs on " + command_name(request.command()));
+      }
+      if (!send(response))
+        return 1;
+      continue;
+    }
     if (fault) {
       fault_reply reply = apply_fault(*fault, request);
       if (reply.response && !send(*reply.response))

@@ -39,6 +39,7 @@ enum class fault_kind {
   wrong_result,  // ok=true with the result case of another command
   wrong_version, // echo protocol_version 99
   forge_receipt, // run the command, then forge the last receipt's device UUID (finish only)
+  skew_logprobs, // run the command, then add 0.5 to every reported logprob (generate only)
 };
 
 // A fault applied to the (after+1)-th occurrence of `command`, instead of running it.

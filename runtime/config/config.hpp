@@ -42,7 +42,7 @@ struct timeouts {
 struct runtime_fault {
   std::string command; // describe, generate, sleep, wake_up, ..., shutdown
   std::string kind;    // stall | exit | sigkill | error | bad_frame | wrong_id | wrong_command |
-                       // wrong_result | wrong_version | forge_receipt
+                       // wrong_result | wrong_version | forge_receipt | skew_logprobs
   std::uint32_t after = 0; // apply on the (after+1)-th occurrence of the command
   std::uint32_t incarnation = 1; // the runtime incarnation it is injected into (0 = every one)
 };
