@@ -455,7 +455,7 @@ TEST(ConfigModel, ModelYamlRendersAFlowMap) {
   EXPECT_EQ(config::model_to_yaml(m),
             "{model_type: qwen3_moe, num_hidden_layers: 2, hidden_size: 64,"
             " num_attention_heads: 4, num_key_value_heads: 2, head_dim: 16, num_experts: 4,"
-            " num_experts_per_tok: 2, moe_intermediate_size: 32, vocab_size: 256,"
+            " num_experts_per_tok: 2, moe_intermediate_size: 32, intermediate_size: 0, vocab_size: 256,"
             " tie_word_embeddings: false, rms_norm_eps: 1e-06, rope_theta: 1e+06,"
             " norm_topk_prob: true, torch_dtype: bfloat16, quantization: \"\", lora: false}");
 }
@@ -712,4 +712,21 @@ TEST(ConfigRecipes, EveryShippedRecipeLoads) {
     EXPECT_EQ(cfg.publication.transport, gpu ? "cuda_ipc" : "shm") << file;
     EXPECT_EQ(cfg.runtime.devices.size(), cfg.runtime.tp_size) << file;
   }
+}
+
+TEST(ConfigModel, DenseQwen3NeedsIntermediateSizeAndRoundTrips) {
+  const std::string dense =
+    "model: {model_type: qwen3, num_hidden_layers: 2, hidden_size: 64, num_attention_heads: 4,"
+    " num_key_value_heads: 2, head_dim: 16, intermediate_size: 96, vocab_size: 256,"
+    " tie_word_embeddings: true}\n";
+  const auto cfg = refit::config::parse_yaml(dense, "dense.yaml");
+  EXPECT_TRUE(cfg.model.dense());
+  EXPECT_EQ(cfg.model.num_experts, 1u);
+  EXPECT_EQ(cfg.model.num_experts_per_tok, 1u);
+  EXPECT_EQ(cfg.model.moe_intermediate_size, 96u);
+  const auto again = refit::config::parse_model_yaml(refit::config::model_to_yaml(cfg.model), "m");
+  EXPECT_EQ(refit::config::model_to_yaml(again), refit::config::model_to_yaml(cfg.model));
+  std::string missing = dense;
+  missing.replace(missing.find(" intermediate_size: 96,"), 23, "");
+  expect_error(missing, "model.intermediate_size", "required key is missing");
 }

@@ -24,6 +24,7 @@ std::string model_to_yaml(const model::model_config& m) {
     {"num_experts", u(m.num_experts)},
     {"num_experts_per_tok", u(m.num_experts_per_tok)},
     {"moe_intermediate_size", u(m.moe_intermediate_size)},
+    {"intermediate_size", u(m.intermediate_size)},
     {"vocab_size", u(m.vocab_size)},
     {"tie_word_embeddings", b(m.tie_word_embeddings)},
     {"rms_norm_eps", format_double(m.rms_norm_eps)},

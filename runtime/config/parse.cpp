@@ -224,6 +224,14 @@ void read_model(yaml_reader& r, const YAML::Node& node, const std::string& path,
                    target = r.string(v, p);
                  }};
   };
+  // The expert fields are required for qwen3_moe only; a dense qwen3 names intermediate_size.
+  std::set<std::string> seen;
+  auto moe_field = [&](const char* name, std::uint32_t& target) {
+    return field{name, [&r, &target, &seen, name](const YAML::Node& v, const std::string& p) {
+                   target = r.u32(v, p);
+                   seen.insert(name);
+                 }};
+  };
   r.read_map(node, path, {
     string_field("model_type", m.model_type),
     u32_field("num_hidden_layers", m.num_hidden_layers),
@@ -231,9 +239,10 @@ void read_model(yaml_reader& r, const YAML::Node& node, const std::string& path,
     u32_field("num_attention_heads", m.num_attention_heads),
     u32_field("num_key_value_heads", m.num_key_value_heads),
     u32_field("head_dim", m.head_dim),
-    u32_field("num_experts", m.num_experts),
-    u32_field("num_experts_per_tok", m.num_experts_per_tok),
-    u32_field("moe_intermediate_size", m.moe_intermediate_size),
+    moe_field("num_experts", m.num_experts),
+    moe_field("num_experts_per_tok", m.num_experts_per_tok),
+    moe_field("moe_intermediate_size", m.moe_intermediate_size),
+    moe_field("intermediate_size", m.intermediate_size),
     u32_field("vocab_size", m.vocab_size),
     bool_field("tie_word_embeddings", m.tie_word_embeddings),
     double_field("rms_norm_eps", m.rms_norm_eps),
@@ -251,6 +260,15 @@ void read_model(yaml_reader& r, const YAML::Node& node, const std::string& path,
     string_field("quantization", m.quantization),
     bool_field("lora", m.lora),
   });
+  if (m.dense()) {
+    if (seen.count("intermediate_size") == 0)
+      r.fail(child_path(path, "intermediate_size"), node, "required key is missing");
+    model::normalize_dense(m);
+  } else {
+    for (const char* key : {"num_experts", "num_experts_per_tok", "moe_intermediate_size"})
+      if (seen.count(key) == 0)
+        r.fail(child_path(path, key), node, "required key is missing");
+  }
 }
 
 void read_timeouts(yaml_reader& r, const YAML::Node& node, const std::string& path,
