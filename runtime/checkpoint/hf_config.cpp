@@ -53,7 +53,10 @@ struct reader {
     return it == j.end() ? nullptr : &*it;
   }
   std::uint32_t u32(const std::string& key, const json& v) const {
-    if (!v.is_number_unsigned() || v.get<std::uint64_t>() > std::numeric_limits<std::uint32_t>::max())
+    // Parsed text gives unsigned for non-negative integers; a json built in code may hold
+    // a signed one.
+    if (!v.is_number_integer() || (!v.is_number_unsigned() && v.get<std::int64_t>() < 0)
+        || v.get<std::uint64_t>() > std::numeric_limits<std::uint32_t>::max())
       fail(key, "expected a non-negative 32-bit integer (got " + v.dump() + ")");
     return static_cast<std::uint32_t>(v.get<std::uint64_t>());
   }
