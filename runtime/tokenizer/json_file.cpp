@@ -66,7 +66,8 @@ nlohmann::json parse_json(std::string_view bytes, const std::string& file) {
   try {
     return nlohmann::json::parse(bytes.begin(), bytes.end());
   } catch (const nlohmann::json::parse_error& e) {
-    throw tokenizer_error(file, "", "invalid JSON at byte " + std::to_string(e.byte) + ": " +
+    throw tokenizer_error(file, "", "invalid JSON at byte offset " +
+                                        std::to_string(e.byte > 0 ? e.byte - 1 : 0) + ": " +
                                         e.what());
   }
 }
