@@ -33,6 +33,10 @@ std::vector<std::string> runtime_arguments(const runtime_proxy_options& opts) {
                                 "--max-frame-bytes", std::to_string(rt.max_frame_bytes),
                                 "--seed", std::to_string(opts.seed),
                                 "--init-scale", init_scale};
+  if (!opts.model_path.empty()) {
+    args.emplace_back("--checkpoint");
+    args.push_back(opts.model_path);
+  }
   for (const auto& f : rt.faults) {
     args.emplace_back("--fault");
     args.push_back(f.command + ":" + f.kind + ":" + std::to_string(f.after));

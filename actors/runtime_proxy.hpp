@@ -24,6 +24,7 @@ struct runtime_proxy_options {
   model::model_config model;
   std::uint64_t seed = 0;            // checkpoint weights of the runtime (version 0)
   float init_scale = 0.02f;          // ... and their scale
+  std::string model_path;            // a Hugging Face model directory ("" = synthetic weights)
   std::string executable_path;       // resolved path of refit-runtime
 };
 

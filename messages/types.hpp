@@ -46,13 +46,19 @@ struct runtime_description {
   std::uint64_t model_version = 0;
   bool weights_valid = false;
   std::uint32_t pid = 0;
+  // Version 0's weights: the model directory loaded at start ("" = synthetic weights).
+  std::string checkpoint_path;
+  std::uint64_t checkpoint_tensors = 0;
+  std::uint64_t checkpoint_bytes = 0;
+  std::string checkpoint_fingerprint;
 };
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, runtime_description& x) {
   return f(caf::meta::type_name("runtime_description"), x.runtime_kind, x.runtime_version,
            x.tp_world_size, x.workers, x.sleep_level, x.weights_awake, x.kv_cache_awake,
-           x.model_version, x.weights_valid, x.pid);
+           x.model_version, x.weights_valid, x.pid, x.checkpoint_path, x.checkpoint_tensors,
+           x.checkpoint_bytes, x.checkpoint_fingerprint);
 }
 
 // ------------------------------------------------------------------ generation

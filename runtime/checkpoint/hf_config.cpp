@@ -232,6 +232,9 @@ hf_model parse_hf_config(const json& j, const std::string& file) {
     c.num_experts = c.num_experts_per_tok = c.moe_intermediate_size = 0;
     c.norm_topk_prob = false;
     m.intermediate_size = r.required_u32("intermediate_size");
+    // refit holds a dense MLP as one always-chosen expert (model::normalize_dense).
+    c.intermediate_size = m.intermediate_size;
+    model::normalize_dense(c);
   }
   if (c.num_key_value_heads == 0 || c.num_attention_heads % c.num_key_value_heads != 0)
     r.fail("num_key_value_heads", std::to_string(c.num_attention_heads)

@@ -1,7 +1,7 @@
 // HF `config.json` -> refit's model_config (runtime/model/qwen3_moe.hpp).
 //
-// model_type `qwen3_moe` maps fully; `qwen3` (dense) is read into hf_model (with
-// intermediate_size) but refit's schema has no dense key stream yet. Every field refit does
+// model_type `qwen3_moe` and `qwen3` (dense: intermediate_size, held as one always-chosen
+// expert) map fully. Every field refit does
 // not implement is an error naming field and value when it asks for something other than
 // HF's default (rope scaling, sliding window, attention bias, quantization, dense MLP layers
 // in an MoE model, decoder_sparse_step != 1, an activation other than silu). Keys HF configs
@@ -27,8 +27,8 @@ namespace refit::checkpoint {
 
 struct hf_model {
   std::string model_type; // "qwen3_moe" or "qwen3"
-  // The refit config. For qwen3 (dense) model_type is "qwen3" and the expert fields are 0:
-  // model::validate refuses it until refit has dense support.
+  // The refit config. For qwen3 (dense) model_type is "qwen3", intermediate_size is set and
+  // the expert fields hold the one always-chosen expert (model::normalize_dense).
   model::model_config cfg;
   std::uint32_t intermediate_size = 0; // the dense MLP width (qwen3); 0 if absent (qwen3_moe)
   std::uint32_t max_position_embeddings = 32768;

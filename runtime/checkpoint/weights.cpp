@@ -74,9 +74,6 @@ void check_shape(const tensor_view& t, const std::vector<std::int64_t>& expected
 
 model_weights::model_weights(const checkpoint_files& files, const hf_model& m)
   : cfg_(m.cfg), dir_(files.dir()) {
-  if (m.dense())
-    throw checkpoint_error(dir_ + "/config.json", "", "model_type",
-                           "'qwen3' (dense) has no refit key stream yet (qwen3_moe only)");
   if (!m.dtype_declared) {
     const tensor_view* embed = files.find("model.embed_tokens.weight");
     if (embed == nullptr)

@@ -41,8 +41,8 @@ struct canonical_source {
 
 class model_weights {
 public:
-  // Maps `files` onto the key stream of `m` (qwen3_moe only: a dense qwen3 is refused until
-  // refit's schema has dense). When m.dtype_declared is false the config dtype is taken from
+  // Maps `files` onto the key stream of `m` (qwen3_moe, or dense qwen3 with its
+  // mlp.{gate,up,down}_proj keys). When m.dtype_declared is false the config dtype is taken from
   // model.embed_tokens.weight. Throws checkpoint_error (or model::model_error for a config
   // model::validate refuses).
   model_weights(const checkpoint_files& files, const hf_model& m);

@@ -49,6 +49,7 @@ struct raw_arguments {
   std::uint64_t max_frame_bytes = refit::wire::default_max_frame_bytes;
   std::uint64_t seed = 0;
   float init_scale = 0.02f;
+  std::string checkpoint;
   std::vector<std::string> faults;
 };
 
@@ -119,6 +120,7 @@ refit::child::server_options validate(const raw_arguments& args) {
   options.max_frame_bytes = static_cast<std::size_t>(args.max_frame_bytes);
   options.seed = args.seed;
   options.init_scale = args.init_scale;
+  options.checkpoint_dir = args.checkpoint;
   for (const auto& text : args.faults) {
     try {
       options.faults.push_back(refit::child::parse_fault(text));
@@ -158,6 +160,9 @@ int main(int argc, char** argv) {
   app.add_option("--init-scale", args.init_scale,
                  "scale of the synthetic checkpoint weights (the trainer's trainer.init_scale)")
     ->check(CLI::PositiveNumber & CLI::Range(0.0, 10.0));
+  app.add_option("--checkpoint", args.checkpoint,
+                 "a Hugging Face model directory (config.json, *.safetensors) loaded as version 0 "
+                 "instead of the synthetic weights");
   app.add_option("--fault", args.faults, "test-only fault COMMAND:KIND[:AFTER] (repeatable)");
 
   try {

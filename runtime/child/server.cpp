@@ -12,7 +12,9 @@
 #include <thread>
 #include <unistd.h>
 
+#include "runtime/checkpoint/source.hpp"
 #include "runtime/child/command_error.hpp"
+#include "runtime/child/load_progress.hpp"
 #include "runtime/child/server_util.hpp"
 #include "runtime/control/framing.hpp"
 #include "runtime/control/protocol.hpp"
@@ -67,16 +69,37 @@ void server::load_checkpoint() {
   synthetic.seed = options_.seed;
   synthetic.init_scale = options_.init_scale;
   const auto params = model::expected_key_stream(options_.model);
+  const auto start = std::chrono::steady_clock::now();
+  if (!options_.checkpoint_dir.empty()) {
+    auto source = checkpoint::model_source::open(options_.checkpoint_dir, options_.model);
+    checkpoint_.path = source->source();
+    checkpoint_.tensors = source->tensor_count();
+    checkpoint_.bytes = source->bytes();
+    checkpoint_.fingerprint = source->fingerprint();
+    synthetic.initial = std::move(source);
+  }
+  load_progress progress(params, !options_.checkpoint_dir.empty() && ::isatty(STDERR_FILENO));
   if (workers_.front()->device_kind() == device::kind::cuda) {
-    // Each GPU worker generates every canonical tensor on its own device and slices it there.
-    on_all_workers(workers_, [&](worker& w) { w.load_synthetic(params, synthetic); });
-    return;
+    // Each GPU worker reads (checkpoint: through bounded pinned staging) or generates every
+    // canonical tensor on its own device and slices it there.
+    on_all_workers(workers_, [&](worker& w) {
+      w.load_synthetic(params, synthetic, w.rank() == 0 ? &progress : nullptr);
+    });
+  } else {
+    // One canonical tensor at a time in host memory (bounded by the largest tensor).
+    std::vector<std::byte> canonical;
+    for (const auto& param : params) {
+      canonical.resize(param.nbytes());
+      model::fill_synthetic(param, synthetic, 0, 0, param.numel(), canonical.data());
+      on_all_workers(workers_, [&](worker& w) { w.load_tensor(param, canonical.data()); });
+      progress.advance(param);
+    }
   }
-  for (const auto& param : params) {
-    std::vector<std::byte> canonical(param.nbytes());
-    model::fill_synthetic(param, synthetic, 0, 0, param.numel(), canonical.data());
-    on_all_workers(workers_, [&](worker& w) { w.load_tensor(param, canonical.data()); });
-  }
+  progress.finish();
+  checkpoint_.load_seconds =
+    std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (!options_.checkpoint_dir.empty())
+    log_line(load_summary(checkpoint_));
 }
 
 int server::serve() {

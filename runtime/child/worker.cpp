@@ -112,9 +112,12 @@ void worker::load_tensor(const model::param_meta& p, const std::byte* canonical)
 void worker::finish_loads() { memory_->synchronize(); }
 
 void worker::load_synthetic(const std::vector<model::param_meta>& params,
-                            const model::synthetic_weights& w) {
-  for (const auto& p : params)
+                            const model::synthetic_weights& w, load_progress* progress) {
+  for (const auto& p : params) {
     load_tensor(p, memory_->synthetic_canonical(p, w, 0));
+    if (progress)
+      progress->advance(p);
+  }
   finish_loads();
 }
 

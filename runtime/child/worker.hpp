@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "runtime/child/device_memory.hpp"
+#include "runtime/child/load_progress.hpp"
 #include "runtime/device/device.hpp"
 #include "runtime/inference/generator.hpp"
 #include "runtime/model/qwen3_moe.hpp"
@@ -110,7 +111,7 @@ public:
   // Loads every tensor of `params` from synthetic weights `w` (step 0), generated on this
   // worker's device; returns when the copies finished.
   void load_synthetic(const std::vector<model::param_meta>& params,
-                      const model::synthetic_weights& w);
+                      const model::synthetic_weights& w, load_progress* progress);
   std::size_t mapped_buffer_count() const { return mappings_.size(); }
   // Unmaps every producer buffer; returns how many were mapped.
   std::uint32_t unmap_buffers();

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "runtime/model/qwen3_moe.hpp"
+#include "runtime/model/synthetic.hpp"
 
 namespace refit::config {
 
@@ -150,6 +151,11 @@ struct serve_config {
 
 struct refit_config {
   model::model_config model;
+  // model.path: a Hugging Face model directory (absolute once parsed; relative paths are
+  // resolved against the recipe's directory). Its config.json gives `model`; the runtime
+  // loads its weights as version 0 and the trainer ranks start from them. "" = the model
+  // fields of the recipe and synthetic weights.
+  std::string model_path;
   runtime_config runtime;
   supervisor_config supervisor;
   trainer_config trainer;
@@ -159,8 +165,10 @@ struct refit_config {
   serve_config serve;
 };
 
-// Parses YAML text. `origin` (file name or "<embedded>") prefixes error messages.
-refit_config parse_yaml(const std::string& text, const std::string& origin = "<string>");
+// Parses YAML text. `origin` (file name or "<embedded>") prefixes error messages; a relative
+// model.path is resolved against `base_dir` ("" = the working directory).
+refit_config parse_yaml(const std::string& text, const std::string& origin = "<string>",
+                        const std::string& base_dir = "");
 refit_config load_file(const std::string& path);
 
 // Cross-field checks (tp_size == devices.size(), model valid for tp, ...). parse_yaml
@@ -175,6 +183,19 @@ std::string to_yaml(const refit_config& cfg);
 // line): parse from YAML text whose top level is the model map, and render back.
 model::model_config parse_model_yaml(const std::string& text, const std::string& origin);
 std::string model_to_yaml(const model::model_config& m);
+
+// The trainer's weights of the recipe: job.seed, trainer.lr, trainer.init_scale, starting
+// from model.path's checkpoint when the recipe has one (opened once per process).
+model::synthetic_weights trainer_weights(const refit_config& cfg);
+
+// Serve the Hugging Face model directory `dir` (refit-coordinator --model): model.path and
+// the model fields from its config.json. Throws naming the file and field.
+void use_model_dir(refit_config& cfg, const std::string& dir);
+
+// Where the embedded default's relative paths (model.path) are resolved: $REFIT_CONFIGS_DIR,
+// else <prefix>/share/refit/configs next to an installed executable, else the source tree's
+// configs/.
+std::string embedded_base_dir();
 
 // The embedded default (configs/tiny-cpu.yaml, compiled in).
 const std::string& embedded_default_yaml();

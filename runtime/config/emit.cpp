@@ -53,7 +53,12 @@ std::string to_yaml(const refit_config& cfg) {
   };
   std::string y;
   auto line = [&y](const std::string& text) { y += text + "\n"; };
-  line("model: " + model_to_yaml(cfg.model));
+  if (cfg.model_path.empty()) {
+    line("model: " + model_to_yaml(cfg.model));
+  } else { // the fields, and the directory they came from (parse checks they still agree)
+    const std::string fields = model_to_yaml(cfg.model);
+    line("model: {path: " + quote_if_needed(cfg.model_path) + ", " + fields.substr(1));
+  }
   const auto& rt = cfg.runtime;
   line("runtime:");
   line("  executable: " + q(rt.executable));

@@ -133,6 +133,10 @@ runtime_description from_proto(const pb::DescribeResult& x) {
   d.model_version = x.model_version();
   d.weights_valid = x.weights_valid();
   d.pid = x.pid();
+  d.checkpoint_path = x.checkpoint().path();
+  d.checkpoint_tensors = x.checkpoint().tensors();
+  d.checkpoint_bytes = x.checkpoint().bytes();
+  d.checkpoint_fingerprint = x.checkpoint().fingerprint();
   return d;
 }
 
