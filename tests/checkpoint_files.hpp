@@ -3,6 +3,7 @@
 
 #include "runtime/model/qwen3_moe.hpp"
 
+#include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
@@ -59,10 +60,23 @@ inline void write_file(const std::filesystem::path& p, const std::string& bytes)
   out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
 }
 
+inline std::string temp_prefix() { return "refit-ckpt-" + std::to_string(::getpid()) + "-"; }
+
+// Removes this process's directories from fresh_dir when the test program ends.
+struct temp_dir_cleanup : ::testing::Environment {
+  void TearDown() override {
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator(std::filesystem::temp_directory_path(), ec))
+      if (e.path().filename().string().rfind(temp_prefix(), 0) == 0)
+        std::filesystem::remove_all(e.path(), ec);
+  }
+};
+inline ::testing::Environment* const temp_dir_cleanup_env =
+  ::testing::AddGlobalTestEnvironment(new temp_dir_cleanup);
+
 // A fresh directory under the test temp dir.
 inline std::filesystem::path fresh_dir(const std::string& name) {
-  auto p = std::filesystem::temp_directory_path()
-           / ("refit-ckpt-" + std::to_string(::getpid()) + "-" + name);
+  auto p = std::filesystem::temp_directory_path() / (temp_prefix() + name);
   std::filesystem::remove_all(p);
   std::filesystem::create_directories(p);
   return p;

@@ -3,6 +3,7 @@
 // missing / extra / misshapen tensors refused, dtype conversion), and the HF-written
 // fixtures under tests/data/models.
 #include "checkpoint_files.hpp"
+#include "runtime/checkpoint/convert.hpp"
 #include "runtime/checkpoint/hf_config.hpp"
 #include "runtime/checkpoint/index.hpp"
 #include "runtime/checkpoint/weights.hpp"
@@ -10,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <set>
 
@@ -328,4 +330,50 @@ TEST(Weights, ConvertsCheckpointDtypeToTheConfigDtype) {
   const auto b32 = canonical_bytes(w32);
   for (const auto& t : wide)
     EXPECT_EQ(b32.at(t.name), t.bytes) << t.name;
+}
+
+TEST(HfConfig, NumLocalExpertsIsNumExperts) {
+  auto j = tiny_config();
+  j.erase("num_experts");
+  j["num_local_experts"] = 2;
+  EXPECT_EQ(parse_hf_config(j, "config.json").cfg.num_experts, 2u);
+  j["num_experts"] = 4;
+  expect_refused([&] { parse_hf_config(j, "c/config.json"); },
+                 {"c/config.json", "num_experts", "disagrees with num_local_experts 2"});
+}
+
+TEST(Convert, HalfEncodingsRoundToNearestEven) {
+  const std::vector<std::pair<float, std::uint16_t>> cases = {
+    {1.0f, 0x3c00}, {-2.0f, 0xc000}, {0.1f, 0x2e66}, {65504.0f, 0x7bff}, {65520.0f, 0x7c00},
+    {std::ldexp(1.0f, -24), 0x0001}, {std::ldexp(1.0f, -25), 0x0000}, // tie to even (0)
+    {std::ldexp(3.0f, -25), 0x0002}, {std::ldexp(1.0f, -14), 0x0400}, {0.0f, 0x0000},
+    {1.0f + std::ldexp(1.0f, -11), 0x3c00}, // halfway between 1 and next: even (1.0)
+    {1.0f + std::ldexp(3.0f, -11), 0x3c02}, {2047.5f, 0x6800}, // 2047.5 ties to 2048
+  };
+  for (const auto& [f, h] : cases) {
+    std::uint16_t out = 0xffff;
+    convert_elements(model::dtype::float32, reinterpret_cast<const std::byte*>(&f),
+                     model::dtype::float16, reinterpret_cast<std::byte*>(&out), 1);
+    EXPECT_EQ(out, h) << f;
+  }
+  // half -> float against the definition: (-1)^s * (1 + m/1024) * 2^(e-15), subnormals m * 2^-24.
+  const auto decode = [](std::uint16_t h) {
+    const int e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    const double v = e == 0 ? std::ldexp(double(m), -24) : std::ldexp(1.0 + m / 1024.0, e - 15);
+    return (h & 0x8000) ? -v : v;
+  };
+  // Every finite half survives f16 -> f32 -> f16 and f16 -> bf16 -> ... -> f32 agrees.
+  for (std::uint32_t h = 0; h < 0x10000; ++h) {
+    if ((h & 0x7c00u) == 0x7c00u)
+      continue; // inf / NaN
+    const auto in = static_cast<std::uint16_t>(h);
+    float f = 0;
+    std::uint16_t again = 0;
+    convert_elements(model::dtype::float16, reinterpret_cast<const std::byte*>(&in),
+                     model::dtype::float32, reinterpret_cast<std::byte*>(&f), 1);
+    convert_elements(model::dtype::float32, reinterpret_cast<const std::byte*>(&f),
+                     model::dtype::float16, reinterpret_cast<std::byte*>(&again), 1);
+    ASSERT_EQ(again, in) << std::hex << h;
+    ASSERT_EQ(static_cast<double>(f), decode(in)) << std::hex << h;
+  }
 }

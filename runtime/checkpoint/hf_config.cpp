@@ -37,7 +37,7 @@ const std::set<std::string> read_keys = {
 };
 // Only for qwen3_moe.
 const std::set<std::string> moe_keys = {
-  "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+  "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
   "mlp_only_layers", "decoder_sparse_step",
 };
 
@@ -223,7 +223,11 @@ hf_model parse_hf_config(const json& j, const std::string& file) {
   c.torch_dtype = read_dtype(r, m.dtype_declared);
   m.max_position_embeddings = r.optional_u32("max_position_embeddings", 32768);
   if (moe) {
-    c.num_experts = r.required_u32("num_experts");
+    // transformers 5 writes num_local_experts (4.x: num_experts); both present must agree.
+    const bool local = r.get("num_local_experts") != nullptr;
+    c.num_experts = r.required_u32(local ? "num_local_experts" : "num_experts");
+    if (local && r.get("num_experts") != nullptr && r.required_u32("num_experts") != c.num_experts)
+      r.fail("num_experts", "disagrees with num_local_experts " + std::to_string(c.num_experts));
     c.num_experts_per_tok = r.required_u32("num_experts_per_tok");
     c.moe_intermediate_size = r.required_u32("moe_intermediate_size");
     c.norm_topk_prob = r.boolean("norm_topk_prob", false);

@@ -8,6 +8,9 @@
 // commonly carry that do not change the forward are known and ignored; any other key is
 // returned as a warning (HF itself tolerates unknown keys).
 //
+// transformers 5 spellings are read too: `dtype` (for torch_dtype), `num_local_experts` (for
+// num_experts), `rope_parameters` {rope_type, rope_theta}.
+//
 // Defaults for absent fields follow HF: num_key_value_heads = num_attention_heads, head_dim =
 // hidden_size / num_attention_heads, rms_norm_eps 1e-6, rope_theta 10000, norm_topk_prob
 // false, tie_word_embeddings false, max_position_embeddings 32768. The sizes (layers, hidden,

@@ -41,6 +41,7 @@ struct canonical_source {
 
 class model_weights {
 public:
+  // The sources point into `files`' mappings: `files` must outlive this object.
   // Maps `files` onto the key stream of `m` (qwen3_moe, or dense qwen3 with its
   // mlp.{gate,up,down}_proj keys). When m.dtype_declared is false the config dtype is taken from
   // model.embed_tokens.weight. Throws checkpoint_error (or model::model_error for a config
