@@ -235,7 +235,7 @@ def tokenizer_goldens(out, qwen_dir, tiny_tok, corpus):
 
 
 @step("tokenizer throughput")
-def throughput(q, corpus):
+def throughput(q, corpus, kjv_lines=None):
     text_bytes = sum(len(t.encode("utf-8")) for t in corpus)
     reps = max(1, math.ceil(5_000_000 / max(1, text_bytes)))
     lines = corpus * reps
@@ -263,6 +263,24 @@ def throughput(q, corpus):
         dt = time.perf_counter() - t0
         best = dt if best is None else min(best, dt)
     res["encode_batch_MBps"] = round(nbytes / best / 1e6, 3)
+    if kjv_lines:
+        kb = sum(len(t.encode("utf-8")) for t in kjv_lines)
+        best = None
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for t in kjv_lines:
+                q.encode(t, add_special_tokens=False)
+            dt = time.perf_counter() - t0
+            best = dt if best is None else min(best, dt)
+        res["kjv_plain_english"] = {"bytes": kb, "lines": len(kjv_lines),
+                                    "encode_one_line_at_a_time_MBps": round(kb / best / 1e6, 3)}
+        best = None
+        for _ in range(3):
+            t0 = time.perf_counter()
+            q.encode_batch(kjv_lines, add_special_tokens=False)
+            dt = time.perf_counter() - t0
+            best = dt if best is None else min(best, dt)
+        res["kjv_plain_english"]["encode_batch_MBps"] = round(kb / best / 1e6, 3)
     res["method"] = "best of 3 wall-clock runs, time.perf_counter, Qwen3 tokenizer.json, MB = 1e6 bytes of UTF-8 input"
     MANIFEST["hf_tokenizers_throughput"] = res
     log("throughput", res)
@@ -438,7 +456,9 @@ def golden(model, tok, folder, name, storage, load_kwargs, sample_prompts=None):
 
 def copy_tok(src, dst):
     for fn in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(src, fn), os.path.join(dst, fn))
+        a, b = os.path.join(src, fn), os.path.join(dst, fn)
+        if not (os.path.exists(b) and os.path.samefile(a, b)):
+            shutil.copy(a, b)
 
 
 def save_model(model, folder, gcfg, dtype, tok_dir, **kw):
@@ -463,6 +483,9 @@ def random_models(out, tok, tok_dir, vocab, eos):
     randomize(m, 1, 0.2)
     f1 = os.path.join(md, "tiny-qwen3-moe")
     save_model(m, f1, gen_config(eos), torch.bfloat16, tok_dir)
+    mem_sd = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in m.state_dict().items()}
+    layout["in_memory_state_dict_keys_layer0"] = {
+        k: list(v.shape) for k, v in mem_sd.items() if k.startswith("model.layers.0.")}
     keys = file_keys(f1)
     layout["tiny-qwen3-moe"] = keys
     results["tiny-qwen3-moe"] = f1
@@ -485,7 +508,7 @@ def random_models(out, tok, tok_dir, vocab, eos):
     # tiny-qwen3-moe-per-expert: tiny-qwen3-moe's tensors, per-expert names
     f3 = os.path.join(md, "tiny-qwen3-moe-per-expert")
     os.makedirs(f3, exist_ok=True)
-    sd = load_file(os.path.join(f1, "model.safetensors"))
+    sd = mem_sd  # the model's own (in-memory) tensors, split below
     cfg = json.load(open(os.path.join(f1, "config.json")))
     I = cfg["moe_intermediate_size"]
     new = {}
@@ -508,8 +531,23 @@ def random_models(out, tok, tok_dir, vocab, eos):
     for fn in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(f1, fn), os.path.join(f3, fn))
     layout["tiny-qwen3-moe-per-expert"] = file_keys(f3)
-    layout["save_pretrained_wrote_fused_experts"] = fused_seen
+    layout["in_memory_experts_fused"] = fused_seen
+    saved = load_file(os.path.join(f1, "model.safetensors"))
+    layout["save_pretrained_wrote_fused_experts"] = any(
+        k.endswith("experts.gate_up_proj") for k in saved)
+    layout["per_expert_rewrite_equals_save_pretrained_tensors"] = (
+        sorted(saved) == sorted(new) and all(torch.equal(saved[k], new[k]) for k in saved))
     results["tiny-qwen3-moe-per-expert"] = f3
+
+    # tiny-qwen3-moe-fused: the same tensors in the in-memory fused layout
+    # (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]).
+    f5 = os.path.join(md, "tiny-qwen3-moe-fused")
+    os.makedirs(f5, exist_ok=True)
+    save_file(mem_sd, os.path.join(f5, "model.safetensors"), metadata={"format": "pt"})
+    for fn in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(f1, fn), os.path.join(f5, fn))
+    layout["tiny-qwen3-moe-fused"] = file_keys(f5)
+    results["tiny-qwen3-moe-fused"] = f5
 
     # tiny-qwen3: dense, tied, bf16
     torch.manual_seed(4)
@@ -530,6 +568,7 @@ def random_goldens(results, tok):
     spec = {"tiny-qwen3-moe": (Qwen3MoeForCausalLM, "bfloat16"),
             "tiny-qwen3-moe-topk": (Qwen3MoeForCausalLM, "float32"),
             "tiny-qwen3-moe-per-expert": (Qwen3MoeForCausalLM, "bfloat16"),
+            "tiny-qwen3-moe-fused": (Qwen3MoeForCausalLM, "bfloat16"),
             "tiny-qwen3": (Qwen3ForCausalLM, "bfloat16")}
     for name, (cls, st) in spec.items():
         try:
@@ -538,7 +577,7 @@ def random_goldens(results, tok):
             info[name] = {"load_kwargs": {k: str(v) for k, v in kw.items()},
                           "all_match_hf_generate": g["generation"]["all_match_hf_generate_with_kv_cache"],
                           "experts_implementation": str(getattr(m.config, "_experts_implementation", None))}
-            if name in ("tiny-qwen3-moe", "tiny-qwen3-moe-per-expert"):
+            if name in ("tiny-qwen3-moe", "tiny-qwen3-moe-per-expert", "tiny-qwen3-moe-fused"):
                 x = torch.tensor([tok.encode(PROMPTS[0] + " " + PROMPTS[2]).ids])
                 with torch.no_grad():
                     info[name]["logits_probe"] = m(x).logits
@@ -547,10 +586,11 @@ def random_goldens(results, tok):
             log("FAILED golden", name, tb)
             ERRORS.append({"step": "golden " + name, "traceback": tb})
     a = info.get("tiny-qwen3-moe", {}).pop("logits_probe", None)
-    b = info.get("tiny-qwen3-moe-per-expert", {}).pop("logits_probe", None)
-    if a is not None and b is not None:
-        info["per_expert_vs_fused_logits_identical"] = bool(torch.equal(a, b))
-        info["per_expert_vs_fused_max_abs_diff"] = float((a - b).abs().max())
+    for other in ("tiny-qwen3-moe-per-expert", "tiny-qwen3-moe-fused"):
+        b = info.get(other, {}).pop("logits_probe", None)
+        if a is not None and b is not None:
+            info[other + "_vs_save_pretrained_logits_identical"] = bool(torch.equal(a, b))
+            info[other + "_vs_save_pretrained_max_abs_diff"] = float((a - b).abs().max())
     MANIFEST["random_models"] = info
 
 
@@ -612,7 +652,7 @@ def train_kjv(out, tok, tok_dir, chapters, vocab, eos, seconds):
                 vx, _ = batch(val)
                 vl = float(model(input_ids=vx, labels=vx).loss)
             model.train()
-            hist.append({"step": stepn, "t": round(el, 1), "train_loss": round(float(loss), 4),
+            hist.append({"step": stepn, "t": round(el, 1), "train_loss": round(float(loss.detach()), 4),
                          "val_loss": round(vl, 4), "lr": lr})
             log("kjv", hist[-1])
         stepn += 1
@@ -708,7 +748,7 @@ def main():
         if folder:
             kjv_golden(folder, tiny)
     if q is not None:
-        throughput(q, corpus)
+        throughput(q, corpus, [v + "\n" for ch in chapters for v in ch])
     MANIFEST["errors"] = ERRORS
     MANIFEST["wall_seconds"] = round(time.time() - t_start, 1)
     files = {}
