@@ -167,7 +167,10 @@ TEST(HfConfig, MapsDenseQwen3IntoHfModel) {
   EXPECT_TRUE(m.dense());
   EXPECT_EQ(m.intermediate_size, 12u);
   EXPECT_TRUE(m.cfg.tie_word_embeddings);
-  EXPECT_EQ(m.cfg.num_experts, 0u);
+  // Held as one always-chosen expert of width intermediate_size (model::normalize_dense).
+  EXPECT_EQ(m.cfg.num_experts, 1u);
+  EXPECT_EQ(m.cfg.num_experts_per_tok, 1u);
+  EXPECT_EQ(m.cfg.moe_intermediate_size, 12u);
   j.erase("intermediate_size");
   expect_refused([&] { parse_hf_config(j, "dense/config.json"); },
                  {"dense/config.json", "intermediate_size", "missing"});

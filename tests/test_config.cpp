@@ -103,8 +103,28 @@ void expect_same_config(const config::refit_config& a, const config::refit_confi
 
 // --- shipped configs ---------------------------------------------------------------------
 
-TEST(ConfigShipped, TinyCpuParses) {
+TEST(ConfigShipped, TinyCpuServesTheCommittedCheckpointFromItsConfigJson) {
   const auto cfg = config::load_file(source_dir + "/configs/tiny-cpu.yaml");
+  EXPECT_EQ(cfg.model_path, std::filesystem::path(source_dir + "/tests/data/models/tiny-kjv")
+                              .lexically_normal()
+                              .string());
+  // config.json as transformers 5.17 wrote it (num_local_experts, dtype, rope_parameters).
+  EXPECT_EQ(cfg.model.model_type, "qwen3_moe");
+  EXPECT_EQ(cfg.model.num_hidden_layers, 4u);
+  EXPECT_EQ(cfg.model.hidden_size, 128u);
+  EXPECT_EQ(cfg.model.num_experts, 8u);
+  EXPECT_EQ(cfg.model.vocab_size, 2112u);
+  EXPECT_EQ(cfg.model.rope_theta, 1e6);
+  EXPECT_FALSE(cfg.model.norm_topk_prob);
+  // Fields given next to the path must agree with config.json.
+  auto text = std::string("model: {path: ") + source_dir
+              + "/tests/data/models/tiny-kjv, hidden_size: 64}\n";
+  expect_error(text, "model.hidden_size", "differs from");
+  expect_error("model: {path: /nonexistent/model}\n", "model.path", "/nonexistent/model");
+}
+
+TEST(ConfigShipped, TinySyntheticParses) {
+  const auto cfg = config::load_file(source_dir + "/configs/tiny-synthetic.yaml");
   EXPECT_EQ(cfg.model.model_type, "qwen3_moe");
   EXPECT_EQ(cfg.model.num_hidden_layers, 2u);
   EXPECT_EQ(cfg.model.hidden_size, 64u);
@@ -151,7 +171,8 @@ TEST(ConfigShipped, Qwen3_30bA3bParses) {
 }
 
 TEST(ConfigShipped, EmbeddedDefaultEqualsTinyCpuFile) {
-  const auto embedded = config::parse_yaml(config::embedded_default_yaml(), "<embedded>");
+  const auto embedded = config::parse_yaml(config::embedded_default_yaml(), "<embedded>",
+                                           config::embedded_base_dir());
   const auto file = config::load_file(source_dir + "/configs/tiny-cpu.yaml");
   expect_same_config(embedded, file);
 }
@@ -432,7 +453,7 @@ TEST(ConfigModel, ValidateCatchesConfigsBuiltInCode) {
 }
 
 TEST(ConfigModel, ModelYamlRoundTrip) {
-  for (const char* file : {"/configs/tiny-cpu.yaml", "/configs/qwen3-30b-a3b.yaml"}) {
+  for (const char* file : {"/configs/tiny-cpu.yaml", "/configs/tiny-synthetic.yaml", "/configs/qwen3-30b-a3b.yaml"}) {
     const auto m = config::load_file(source_dir + file).model;
     const std::string text = config::model_to_yaml(m);
     EXPECT_EQ(text.find('\n'), std::string::npos) << text;
@@ -451,7 +472,7 @@ TEST(ConfigModel, ModelYamlRoundTrip) {
 }
 
 TEST(ConfigModel, ModelYamlRendersAFlowMap) {
-  const auto m = config::load_file(source_dir + "/configs/tiny-cpu.yaml").model;
+  const auto m = config::load_file(source_dir + "/configs/tiny-synthetic.yaml").model;
   EXPECT_EQ(config::model_to_yaml(m),
             "{model_type: qwen3_moe, num_hidden_layers: 2, hidden_size: 64,"
             " num_attention_heads: 4, num_key_value_heads: 2, head_dim: 16, num_experts: 4,"
@@ -511,7 +532,8 @@ void expect_round_trip(const config::refit_config& cfg) {
 
 TEST(ConfigYaml, EveryShippedRecipeRoundTrips) {
   for (const char* file :
-       {"/configs/tiny-cpu.yaml", "/configs/bench-cpu.yaml", "/configs/qwen3-30b-a3b.yaml"})
+       {"/configs/tiny-cpu.yaml", "/configs/tiny-synthetic.yaml", "/configs/bench-cpu.yaml",
+        "/configs/qwen3-30b-a3b.yaml"})
     expect_round_trip(config::load_file(source_dir + file));
 }
 
@@ -704,7 +726,7 @@ TEST(ConfigTransport, FollowsTheDevicesWhenLeftOutAndMustMatchThemWhenGiven) {
 
 // Every shipped recipe is valid, and its transport matches its devices.
 TEST(ConfigRecipes, EveryShippedRecipeLoads) {
-  for (const char* file : {"/configs/tiny-cpu.yaml", "/configs/bench-cpu.yaml",
+  for (const char* file : {"/configs/tiny-cpu.yaml", "/configs/tiny-synthetic.yaml", "/configs/bench-cpu.yaml",
                            "/configs/tiny-gpu.yaml", "/configs/qwen3-30b-a3b.yaml",
                            "/configs/qwen3-30b-a3b-tp4.yaml"}) {
     const auto cfg = config::load_file(source_dir + file);

@@ -8,6 +8,8 @@
 #include <sys/wait.h>
 
 #include <gtest/gtest.h>
+
+#include <unistd.h>
 #include <nlohmann/json.hpp>
 
 namespace {
@@ -19,7 +21,10 @@ struct run_result {
 };
 
 run_result run(const std::string& args) {
-  std::string err_file = ::testing::TempDir() + "refit-coordinator.stderr";
+  // One file per test and process: ctest -j runs the tests of this binary side by side.
+  std::string err_file = ::testing::TempDir() + "refit-coordinator-"
+                         + ::testing::UnitTest::GetInstance()->current_test_info()->name() + "-"
+                         + std::to_string(::getpid()) + ".stderr";
   std::string cmd = std::string(REFIT_COORDINATOR_EXE) + " " + args + " 2>" + err_file;
   run_result r;
   FILE* pipe = ::popen(cmd.c_str(), "r");
@@ -41,8 +46,13 @@ std::string write_config(const std::string& name, const std::string& extra) {
   std::ifstream in(std::string(REFIT_SOURCE_DIR) + "/configs/tiny-cpu.yaml");
   std::stringstream ss;
   ss << in.rdbuf();
+  std::string text = ss.str();
+  // The copy lives elsewhere: the model directory must stay where configs/ points.
+  const std::string rel = "path: ../tests/data/models/tiny-kjv";
+  if (const auto pos = text.find(rel); pos != std::string::npos)
+    text.replace(pos, rel.size(), "path: " + std::string(REFIT_SOURCE_DIR) + "/tests/data/models/tiny-kjv");
   std::string path = ::testing::TempDir() + name;
-  std::ofstream(path) << ss.str() << extra;
+  std::ofstream(path) << text << extra;
   return path;
 }
 

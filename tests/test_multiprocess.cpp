@@ -69,7 +69,7 @@ class MultiProcess : public ::testing::Test {
 protected:
   std::string dir;
   std::string token;
-  config::refit_config tiny = config::parse_yaml(config::embedded_default_yaml(), "<embedded>");
+  config::refit_config tiny = config::load_file(std::string(REFIT_SOURCE_DIR) + "/configs/tiny-synthetic.yaml");
   std::unique_ptr<child_process> coordinator;
   std::uint16_t port = 0;
   std::string serving_line; // what refit-coordinator serve printed once listening

@@ -21,7 +21,7 @@ using namespace std::chrono_literals;
 namespace {
 
 config::refit_config tiny_config() {
-  auto cfg = config::parse_yaml(config::embedded_default_yaml(), "<embedded>");
+  auto cfg = config::load_file(std::string(REFIT_SOURCE_DIR) + "/configs/tiny-synthetic.yaml");
   cfg.runtime.kill_grace_ms = 300;
   cfg.supervisor.backoff_initial_ms = 20;
   cfg.supervisor.backoff_max_ms = 100;
