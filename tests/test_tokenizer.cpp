@@ -10,6 +10,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <unistd.h>
 #include <vector>
 
@@ -207,6 +208,57 @@ TEST(AddedTokens, StripSingleWordNormalized) {
   EXPECT_EQ(tok.encode(" cc"), (ids_t{3, 9}));         // not a word char before: matched
   EXPECT_EQ(tok.encode("acc"), (ids_t{0, 2, 2}));       // inside a word: not matched
   EXPECT_EQ(tok.decode({8, 9, 7}, true), "<m>cc");      // only special tokens are skipped
+}
+
+TEST(AddedTokens, NormalizedTokensMatchAfterNfc) {
+  auto doc = tiny_doc();
+  doc["added_tokens"].push_back({{"id", 8}, {"content", "e\xCC\x81"}, {"special", false},
+                                 {"normalized", true}}); // NFD é: its pattern is NFC'd too
+  doc["added_tokens"].push_back({{"id", 9}, {"content", "c\xCC\xA7"}, {"special", false},
+                                 {"normalized", false}}); // raw match only, before NFC
+  auto tok = load_doc(doc);
+  EXPECT_EQ(tok.encode("ae\xCC\x81"), (ids_t{0, 8}));
+  EXPECT_EQ(tok.encode("a\xC3\xA9"), (ids_t{0, 8}));
+  EXPECT_EQ(tok.encode("c\xCC\xA7" "a"), (ids_t{9, 0}));
+  // Precomposed ç is not the raw pattern; its bytes are not in the vocabulary: dropped, as HF
+  // does without an unk token.
+  EXPECT_EQ(tok.encode("\xC3\xA7" "a"), (ids_t{0}));
+}
+
+TEST(PreTokenizer, Gpt2ByteLevelWithPrefixSpace) {
+  auto doc = tiny_doc();
+  doc["normalizer"] = nullptr;
+  doc["pre_tokenizer"] = {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"use_regex", true}};
+  auto tok = load_doc(doc);
+  EXPECT_EQ(tok.encode("ab"), (ids_t{3, 4}));         // " ab": a+b first, Ġ stays alone
+  EXPECT_EQ(tok.encode(" a abc"), (ids_t{6, 3, 5}));  // already starts with a space
+  EXPECT_EQ(tok.encode("ab<|end|>a"), (ids_t{3, 4, 7, 6})); // each piece gets its space
+  doc["pre_tokenizer"]["add_prefix_space"] = false;
+  EXPECT_EQ(load_doc(doc).encode("ab"), (ids_t{4}));
+}
+
+TEST(Encode, ConcurrentCallsAgree) {
+  auto tok = load_doc(tiny_doc());
+  std::vector<std::string> texts;
+  for (int i = 0; i < 200; ++i)
+    texts.push_back(std::string(static_cast<std::size_t>(i % 7), 'a') + " abc" +
+                    std::string(static_cast<std::size_t>(i % 5), 'b') + "c ab");
+  std::vector<ids_t> want;
+  for (const auto& t : texts)
+    want.push_back(tok.encode(t));
+  std::vector<int> mismatches(4, 0);
+  std::vector<std::thread> threads;
+  for (int w = 0; w < 4; ++w)
+    threads.emplace_back([&, w] {
+      for (int rep = 0; rep < 20; ++rep)
+        for (std::size_t i = 0; i < texts.size(); ++i)
+          if (tok.encode(texts[i]) != want[i])
+            ++mismatches[static_cast<std::size_t>(w)];
+    });
+  for (auto& t : threads)
+    t.join();
+  EXPECT_EQ(mismatches, std::vector<int>(4, 0));
+  EXPECT_EQ(want[1], (ids_t{0, 3, 5, 1, 2, 3, 4})); // "a abcbc ab"
 }
 
 TEST(AddedTokens, LongestMatchFirst) {

@@ -69,6 +69,8 @@ nlohmann::json parse_json(std::string_view bytes, const std::string& file) {
     throw tokenizer_error(file, "", "invalid JSON at byte offset " +
                                         std::to_string(e.byte > 0 ? e.byte - 1 : 0) + ": " +
                                         e.what());
+  } catch (const nlohmann::json::exception& e) { // e.g. a number out of range
+    throw tokenizer_error(file, "", std::string("invalid JSON: ") + e.what());
   }
 }
 
