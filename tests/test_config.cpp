@@ -380,12 +380,14 @@ TEST(ConfigRanges, SupervisorBackoff) {
 }
 
 TEST(ConfigRanges, JobIterations) {
-  expect_error(tiny_model + "job: {iterations: 0}\n", "job.iterations",
-               "0 is too small (minimum 1)");
+  expect_error(tiny_model + "job: {iterations: 1000001}\n", "job.iterations",
+               "1000001 is out of range");
+  EXPECT_EQ(config::parse_yaml(tiny_model + "job: {iterations: 0}\n").job.iterations, 0u)
+    << "0 = the bootstrap generation only";
 }
 
 TEST(ConfigRanges, RangeErrorsNameTheirLocation) {
-  expect_error(tiny_model + "job:\n  iterations: 0\n", "job.iterations", "(at test.yaml:3:15)");
+  expect_error(tiny_model + "job:\n  max_tokens: 0\n", "job.max_tokens", "(at test.yaml:3:15)");
 }
 
 // --- devices ------------------------------------------------------------------------------------

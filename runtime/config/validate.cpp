@@ -150,7 +150,8 @@ void validate_config(const refit_config& cfg, const locator& locate) {
   check_range("publication.republish_attempts", pc.republish_attempts, 0, 10);
 
   const job_config& jb = cfg.job;
-  check_at_least("job.iterations", jb.iterations, 1);
+  // 0: only the bootstrap generation with the checkpoint weights.
+  check_range("job.iterations", jb.iterations, 0, 1000000);
   if (jb.prompts.empty())
     fail("job.prompts", "at least one prompt is required");
   for (std::size_t i = 0; i < jb.prompts.size(); ++i)

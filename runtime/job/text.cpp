@@ -34,7 +34,14 @@ std::vector<std::int32_t> text_codec::encode(const std::string& text) const {
 std::string text_codec::decode(const std::vector<std::int32_t>& ids) const {
   if (!impl_->tok)
     return inference::byte_tokenizer::decode(ids);
-  return impl_->tok->decode(ids, /*skip_special=*/true);
+  // The model's vocab_size is padded past the tokenizer's ids (2112 vs 2051 for tiny-kjv); a
+  // sample may hold such an id. HF's decode drops ids it does not know; so does the job.
+  std::vector<std::int32_t> known;
+  known.reserve(ids.size());
+  for (auto id : ids)
+    if (impl_->tok->id_to_token(id))
+      known.push_back(id);
+  return impl_->tok->decode(known, /*skip_special=*/true);
 }
 
 } // namespace refit::job

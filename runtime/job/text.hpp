@@ -21,7 +21,8 @@ public:
   text_codec& operator=(text_codec&&) noexcept;
 
   std::vector<std::int32_t> encode(const std::string& text) const;
-  // Special tokens (eos, chat markers) are left out of the text.
+  // Special tokens (eos, chat markers) and ids the tokenizer does not have (padding rows of
+  // the model's vocab) are left out of the text, as HF's decode(skip_special_tokens) does.
   std::string decode(const std::vector<std::int32_t>& ids) const;
   // Token ids that end a sample ("stop" finish reason).
   const std::vector<std::int32_t>& stop_ids() const { return stop_ids_; }
