@@ -2,6 +2,7 @@
 // child, trainer ranks, publications, generation, parity against the trainer's reference).
 #include <array>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -135,3 +136,51 @@ TEST(MainJob, HelpExplainsTheOptions) {
 }
 
 } // namespace
+
+// A copy of the committed tiny checkpoint that a test may damage.
+static std::string copy_of_tiny_model(const std::string& name) {
+  const auto dir = std::filesystem::path(::testing::TempDir()) / name;
+  std::filesystem::remove_all(dir);
+  std::filesystem::copy(std::string(REFIT_SOURCE_DIR) + "/tests/data/models/tiny-kjv", dir);
+  return dir.string();
+}
+
+TEST(MainJobModel, TextInTextOutFromTheCommittedCheckpoint) {
+  auto r = run("--json --iterations 0 --temperature 0 --max-tokens 12 --prompt 'And God said'");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto row = nlohmann::json::parse(r.out.substr(0, r.out.find('\n')));
+  EXPECT_EQ(row["version"].get<std::uint64_t>(), 0u);
+  const auto& s = row["samples"][0];
+  EXPECT_EQ(s["prompt"], "And God said");
+  // HF transformers' greedy continuation of this prompt (tests/data/models/tiny-kjv/golden.json).
+  std::ifstream in(std::string(REFIT_SOURCE_DIR) + "/tests/data/models/tiny-kjv/golden.json");
+  const auto golden = nlohmann::json::parse(in)["prompts"][0];
+  ASSERT_EQ(golden["text"], "And God said");
+  EXPECT_EQ(s["prompt_token_ids"], golden["prompt_ids"]);
+  EXPECT_EQ(s["token_ids"], golden["generated_ids"]);
+  EXPECT_EQ(s["text"], golden["generated_text"]);
+  EXPECT_EQ(s["finish_reason"], "length");
+}
+
+TEST(MainJobModel, ADamagedCheckpointIsOneErrorNamingFileAndTensorAndNothingIsServed) {
+  const auto dir = copy_of_tiny_model("damaged-model");
+  std::filesystem::resize_file(dir + "/model.safetensors", 1000000);
+  auto r = run("--iterations 0 --model " + dir);
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find(dir + "/model.safetensors"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("model.embed_tokens.weight"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("refit-runtime["), std::string::npos) << "no runtime was started: " << r.err;
+}
+
+TEST(MainJobModel, AnUnsupportedConfigFieldIsNamed) {
+  const auto dir = copy_of_tiny_model("yarn-model");
+  std::ifstream in(dir + "/config.json");
+  auto cfg = nlohmann::json::parse(in);
+  in.close();
+  cfg["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}};
+  std::ofstream(dir + "/config.json") << cfg.dump(2);
+  auto r = run("--iterations 0 --model " + dir);
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("rope_scaling"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("yarn"), std::string::npos) << r.err;
+}

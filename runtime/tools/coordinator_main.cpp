@@ -297,7 +297,8 @@ int serve_main(const std::string& config_path, const std::string& host, int port
   try {
     cfg = config_path.empty()
             ? refit::config::parse_yaml(refit::config::embedded_default_yaml(),
-                                        "<embedded tiny-cpu.yaml>")
+                                        "<embedded tiny-cpu.yaml>",
+                                        refit::config::embedded_base_dir())
             : refit::config::load_file(config_path);
     if (!host.empty())
       cfg.serve.host = host;
@@ -319,6 +320,11 @@ int serve_main(const std::string& config_path, const std::string& host, int port
     runtime_exe = refit::proc::resolve_executable(cfg.runtime.executable);
   } catch (const std::exception& e) {
     return fail(std::string("bad config: runtime.executable: ") + e.what());
+  }
+  try {
+    (void)refit::config::trainer_weights(cfg); // the whole checkpoint, before anything runs
+  } catch (const std::exception& e) {
+    return fail(std::string("bad model: ") + e.what());
   }
   // SIGTERM/SIGINT are taken with sigwait below: block them before any thread exists, so that
   // every CAF thread inherits the mask.
@@ -470,6 +476,15 @@ int main(int argc, char** argv) {
     runtime_exe = refit::proc::resolve_executable(cfg.runtime.executable);
   } catch (const std::exception& e) {
     std::cerr << "refit-coordinator: bad config: runtime.executable: " << e.what() << std::endl;
+    return 1;
+  }
+  // A checkpoint is checked whole (every tensor, shape, dtype, byte range) before anything
+  // is spawned: a bad one is one error naming file and tensor, and nothing is served.
+  try {
+    (void)refit::config::trainer_weights(cfg);
+    (void)refit::job::text_codec(cfg);
+  } catch (const std::exception& e) {
+    std::cerr << "refit-coordinator: bad model: " << e.what() << std::endl;
     return 1;
   }
   caf::actor_system_config sys_cfg;
