@@ -19,6 +19,7 @@
 #include "runtime/checkpoint/hf_config.hpp"
 #include "runtime/checkpoint/index.hpp"
 
+#include <cstdint>
 #include <string>
 #include <unordered_map>
 #include <vector>

@@ -1,5 +1,6 @@
 #include "runtime/tokenizer/added_tokens.hpp"
 
+#include <cstdint>
 #include <algorithm>
 
 #include "runtime/tokenizer/unicode.hpp"

@@ -1,5 +1,6 @@
 #include "runtime/tokenizer/bpe.hpp"
 
+#include <cstdint>
 #include <algorithm>
 #include <queue>
 

@@ -1,3 +1,4 @@
+#include <cstdint>
 #include "runtime/tokenizer/byte_level.hpp"
 
 #include "runtime/tokenizer/unicode.hpp"

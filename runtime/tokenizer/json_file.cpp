@@ -1,5 +1,6 @@
 #include "runtime/tokenizer/json_file.hpp"
 
+#include <cstdint>
 #include <cerrno>
 #include <cstring>
 #include <fstream>

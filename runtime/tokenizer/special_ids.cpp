@@ -1,4 +1,5 @@
 // Stop / pad / bos ids from generation_config.json and tokenizer_config.json.
+#include <cstdint>
 #include <algorithm>
 
 #include "runtime/tokenizer/state.hpp"

@@ -1,6 +1,7 @@
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include "runtime/tokenizer/split_regex.hpp"
 
+#include <cstdint>
 #include <pcre2.h>
 
 #include "runtime/tokenizer/error.hpp"

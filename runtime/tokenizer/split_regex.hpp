@@ -6,6 +6,7 @@
 // by moving one character on.
 #pragma once
 
+#include <cstdint>
 #include <cstddef>
 #include <memory>
 #include <string>

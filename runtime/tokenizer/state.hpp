@@ -1,6 +1,7 @@
 // The parsed pieces of a tokenizer (private to runtime/tokenizer).
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>

@@ -1,5 +1,6 @@
 #include "runtime/tokenizer/tokenize_bench.hpp"
 
+#include <cstdint>
 #include <chrono>
 #include <cstdio>
 

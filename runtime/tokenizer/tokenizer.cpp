@@ -1,5 +1,6 @@
 // Encoding and decoding, in HF tokenizers' order: added tokens split out of the raw text,
 // normalization, normalized added tokens, the pre-tokenizer steps, BPE per piece.
+#include <cstdint>
 #include "runtime/tokenizer/tokenizer.hpp"
 
 #include "runtime/tokenizer/byte_level.hpp"

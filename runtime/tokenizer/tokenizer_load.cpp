@@ -1,5 +1,6 @@
 // tokenizer.json -> tokenizer::state: each section is read, and refused by name when it asks
 // for something not implemented.
+#include <cstdint>
 #include <algorithm>
 
 #include "runtime/tokenizer/byte_level.hpp"

@@ -1,5 +1,6 @@
 #include "runtime/tokenizer/unicode.hpp"
 
+#include <cstdint>
 #include <cstdlib>
 #include <memory>
 
