@@ -1,5 +1,8 @@
 #include "runtime/checkpoint/weights.hpp"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include "runtime/checkpoint/convert.hpp"
 
 #include <map>
@@ -180,6 +183,20 @@ const canonical_source& model_weights::source(const std::string& name) const {
   return sources_[it->second];
 }
 
+namespace {
+
+// The mapped file pages just read leave this process's resident set (they stay in the page
+// cache and fault back in when read again), so reading a checkpoint tensor by tensor holds
+// about one tensor of it at a time, not the whole model.
+void release_pages(const std::byte* data, std::uint64_t bytes) {
+  static const std::uintptr_t page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const auto begin = reinterpret_cast<std::uintptr_t>(data) / page * page;
+  const auto end = (reinterpret_cast<std::uintptr_t>(data) + bytes + page - 1) / page * page;
+  ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+}
+
+} // namespace
+
 void model_weights::read_canonical(const model::param_meta& p, std::uint64_t elem_begin,
                                    std::uint64_t count, std::byte* out) const {
   const canonical_source& s = source(p.name);
@@ -205,7 +222,9 @@ void model_weights::read_canonical(const model::param_meta& p, std::uint64_t ele
       continue;
     }
     const std::uint64_t n = std::min(elems - skip, count);
-    convert_elements(s.source_dt, r.data + skip * in_size, s.meta.dt, out, n);
+    const std::byte* src = r.data + skip * in_size;
+    convert_elements(s.source_dt, src, s.meta.dt, out, n);
+    release_pages(src, n * in_size);
     out += n * out_size;
     count -= n;
     skip = 0;
