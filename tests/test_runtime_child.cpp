@@ -2,6 +2,8 @@
 // frames over its socket, and observe state, memory (RssAnon), exit codes and faults.
 #include <gtest/gtest.h>
 
+#include "runtime/checkpoint/source.hpp"
+
 #include <chrono>
 #include <csignal>
 #include <cmath>
@@ -249,6 +251,46 @@ TEST_P(DescribeTest, ReportsRuntimeAndWorkers) {
 
 INSTANTIATE_TEST_SUITE_P(Tp, DescribeTest, ::testing::Values(1u, 2u),
                          [](const auto& info) { return "tp" + std::to_string(info.param); });
+
+TEST(DescribeCheckpoint, ReportsWhatWasLoadedFromAModelDirectory) {
+  const std::string dir = std::string(REFIT_SOURCE_DIR) + "/tests/data/models/tiny-qwen3";
+  const auto cfg = refit::checkpoint::read_model_config(dir);
+  auto args = command_line(args_for(2));
+  for (std::size_t i = 0; i + 1 < args.size(); ++i)
+    if (args[i] == "--model")
+      args[i + 1] = refit::config::model_to_yaml(cfg);
+  args.push_back("--checkpoint");
+  args.push_back(dir);
+  runtime_child child(args);
+  auto rsp = child.call(child.request(pb::COMMAND_DESCRIBE));
+  ASSERT_TRUE(rsp.ok()) << rsp.error().message();
+  const auto& c = rsp.describe().checkpoint();
+  const auto source = refit::checkpoint::model_source::open(dir, cfg);
+  EXPECT_EQ(c.path(), dir);
+  EXPECT_EQ(c.tensors(), source->tensor_count());
+  EXPECT_EQ(c.bytes(), source->bytes());
+  EXPECT_EQ(c.fingerprint(), refit::model::structural_manifest(refit::model::expected_key_stream(cfg)));
+  EXPECT_GT(c.load_seconds(), 0.0);
+  EXPECT_TRUE(rsp.describe().weights_valid());
+}
+
+TEST(DescribeCheckpoint, AModelDirectoryThatDoesNotFitIsFatalBeforeServing) {
+  // The tiny synthetic model's shape against tiny-qwen3's files: every tensor mismatches.
+  auto args = command_line(args_for(1));
+  args.push_back("--checkpoint");
+  args.push_back(std::string(REFIT_SOURCE_DIR) + "/tests/data/models/tiny-qwen3");
+  runtime_child child(args);
+  try {
+    child.send(child.request(pb::COMMAND_DESCRIBE));
+  } catch (const std::exception&) {
+    // the child may be gone before the request is written
+  }
+  pb::Response rsp;
+  const auto st = child.receive(rsp, 20s);
+  ASSERT_FALSE(st) << "the runtime answered although its checkpoint does not load";
+  EXPECT_EQ(st.code, wire::frame_errc::eof) << "it exited instead of hanging: "
+                                            << wire::to_string(st.code);
+}
 
 // ---------------------------------------------------------------------------- sleep / wake
 
