@@ -682,9 +682,19 @@ TEST(ConfigServe, RangesAndCrossChecks) {
   expect_error(base + "serve: {" + token + ", tls: {enabled: true, certificate: c.pem, key: k.pem}}\n",
                "serve.tls.cafile", "verifies the peers");
   expect_error(base + "serve: {" + token + ", tls: {enabled: true, cafile: ca.pem}}\n",
-               "serve.tls.cafile", "needs serve.tls.certificate");
-  // Anonymous encryption: enabled alone is valid.
-  EXPECT_TRUE(config::parse_yaml(base + "serve: {" + token + ", tls: {enabled: true}}\n").serve.tls.enabled);
+               "serve.tls.certificate", "anonymous TLS authenticates neither side");
+  // Anonymous encryption would hand the hello's token to whoever holds the port: refused.
+  expect_error(base + "serve: {" + token + ", tls: {enabled: true}}\n", "serve.tls.certificate",
+               "an impostor listener would receive the shared secret");
+  // The listener's handshake bounds.
+  expect_error(base + "serve: {" + token + ", handshake_timeout_ms: 0}\n",
+               "serve.handshake_timeout_ms", "out of range");
+  expect_error(base + "serve: {" + token + ", max_pending_handshakes: 0}\n",
+               "serve.max_pending_handshakes", "out of range");
+  auto bounded = config::parse_yaml(base + "serve: {" + token
+                                    + ", handshake_timeout_ms: 750, max_pending_handshakes: 8}\n");
+  EXPECT_EQ(bounded.serve.handshake_timeout_ms, 750u);
+  EXPECT_EQ(bounded.serve.max_pending_handshakes, 8u);
 }
 
 } // namespace

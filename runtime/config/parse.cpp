@@ -440,6 +440,10 @@ void read_serve(yaml_reader& r, const YAML::Node& node, const std::string& path,
      [&](const YAML::Node& v, const std::string& p) { s.publish_barrier_ms = r.u32(v, p); }},
     {"publish_timeout_ms",
      [&](const YAML::Node& v, const std::string& p) { s.publish_timeout_ms = r.u32(v, p); }},
+    {"handshake_timeout_ms",
+     [&](const YAML::Node& v, const std::string& p) { s.handshake_timeout_ms = r.u32(v, p); }},
+    {"max_pending_handshakes",
+     [&](const YAML::Node& v, const std::string& p) { s.max_pending_handshakes = r.u32(v, p); }},
     {"tls", [&](const YAML::Node& v, const std::string& p) { read_tls(r, v, p, s.tls); }},
   });
 }
