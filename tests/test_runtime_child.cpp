@@ -14,6 +14,7 @@
 #include <memory>
 #include <optional>
 #include <poll.h>
+#include <sys/mman.h>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -397,7 +398,7 @@ TEST(RuntimeChildProtocol, GenerateWithoutPromptsIsAnInvalidArgument) {
 TEST(RuntimeChildProtocol, RejectsAnotherProtocolVersion) {
   runtime_child child(args_for(1));
   auto req = child.request(pb::COMMAND_DESCRIBE);
-  req.set_protocol_version(2);
+  req.set_protocol_version(refit::wire::protocol_version + 1);
   auto rsp = child.call(req);
   EXPECT_EQ(rsp.protocol_version(), refit::wire::protocol_version);
   EXPECT_EQ(rsp.request_id(), req.request_id());
@@ -839,8 +840,10 @@ pb::PublicationHeader publication_header(std::uint32_t tp, std::uint64_t model_v
   h.set_model_version(model_version);
   h.set_tp_world_size(tp);
   h.set_manifest_fingerprint(model::structural_manifest(stream));
-  for (std::uint32_t rank = 0; rank < tp; ++rank)
+  for (std::uint32_t rank = 0; rank < tp; ++rank) {
     h.add_device_uuids(refit::device::cpu_uuid(static_cast<int>(rank)));
+    h.add_producer_pids(static_cast<std::uint32_t>(::getpid())); // this test plays every rank
+  }
   h.set_expected_tensor_count(stream.size());
   h.set_verify(true);
   return h;
@@ -1165,13 +1168,15 @@ std::vector<header_case> header_cases() {
      "header.device_uuids"},
     {"TpMismatch", [](auto& h) { h.set_tp_world_size(1); }, "header.tp_world_size"},
     {"VersionNotIncreasing", [](auto& h) { h.set_model_version(0); }, "header.model_version"},
-    {"WrongProtocolVersion", [](auto& h) { h.set_protocol_version(2); },
+    {"WrongProtocolVersion", [](auto& h) { h.set_protocol_version(refit::wire::protocol_version + 1); },
      "header.protocol_version"},
     {"WrongTensorCount",
      [](auto& h) { h.set_expected_tensor_count(h.expected_tensor_count() + 1); },
      "header.expected_tensor_count"},
     {"OtherTransport", [](auto& h) { h.set_transport("cuda_ipc"); }, "header.transport"},
     {"EmptyPublicationId", [](auto& h) { h.set_publication_id(""); }, "header.publication_id"},
+    {"MissingProducerPids", [](auto& h) { h.clear_producer_pids(); }, "header.producer_pids"},
+    {"ZeroProducerPid", [](auto& h) { h.set_producer_pids(1, 0); }, "header.producer_pids"},
   };
 }
 
@@ -1279,12 +1284,48 @@ std::vector<chunk_case> chunk_cases() {
        return std::string("update_weights.handles[1].buffer_index");
      },
      "buffer_index 2 is out of range"},
+    // A handle that cannot be mapped is the producer side's bad input: a validation error.
     {"UnmappableHandle",
      [](auto& c, const auto&) {
        c.mutable_handles(1)->set_handle("memfd:" + std::to_string(::getpid()) + ":999999");
-       return std::string("worker[1]");
+       return std::string("update_weights.handles");
      },
-     "TP worker 1: buffer handle 'memfd:", pb::ERROR_CODE_INTERNAL},
+     "TP worker 1: buffer handle 'memfd:"},
+    // A memfd without seals could be shrunk under the mapping (SIGBUS): refused.
+    {"UnsealedMemfd",
+     [](auto& c, const auto&) {
+       int fd = ::memfd_create("hostile-unsealed", MFD_CLOEXEC); // held for the test's life
+       EXPECT_EQ(::ftruncate(fd, static_cast<off_t>(c.handles(1).size())), 0);
+       c.mutable_handles(1)->set_handle("memfd:" + std::to_string(::getpid()) + ":" + std::to_string(fd));
+       return std::string("update_weights.handles");
+     },
+     "without the required seals"},
+    // A plain file of this uid (it could be any secret the producer can open): not a memfd.
+    {"PlainFileHandle",
+     [](auto& c, const auto&) {
+       auto path = ::testing::TempDir() + "refit-plain-file-" + std::to_string(::getpid());
+       std::ofstream(path) << std::string(c.handles(1).size(), 'x');
+       int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC); // held for the test's life
+       ::unlink(path.c_str());
+       c.mutable_handles(1)->set_handle("memfd:" + std::to_string(::getpid()) + ":" + std::to_string(fd));
+       return std::string("update_weights.handles");
+     },
+     "is not a memfd"},
+    // A handle naming another process than the publishing rank's.
+    {"HandleOfAnotherProcess",
+     [](auto& c, const auto&) {
+       c.mutable_handles(1)->set_handle("memfd:" + std::to_string(::getppid()) + ":0");
+       return std::string("update_weights.handles");
+     },
+     "names pid " + std::to_string(::getppid()) + ", but the rank that publishes it is pid "
+       + std::to_string(::getpid())},
+    // An offset near 2^64: the error names it without a wrapped byte range.
+    {"OffsetNear2To64",
+     [](auto& c, const auto&) {
+       c.mutable_tensors(0)->set_offset(~std::uint64_t{0});
+       return c.tensors(0).name();
+     },
+     "bytes at offset 18446744073709551615 lie beyond"},
     {"AnotherPublicationId",
      [](auto& c, const auto&) {
        c.set_publication_id("another");

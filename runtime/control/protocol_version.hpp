@@ -6,7 +6,7 @@
 
 namespace refit::wire {
 
-inline constexpr std::uint32_t protocol_version = 1;
+inline constexpr std::uint32_t protocol_version = 2; // 2: header.producer_pids
 
 // Version of the refit wire protocol between trainer processes and the coordinator (the
 // join handshake and every message of messages/net_types.hpp that crosses CAF's network
