@@ -15,6 +15,7 @@
 #include <caf/send.hpp>
 
 #include "runtime/auth/handshake.hpp"
+#include "runtime/fileio/read_file.hpp"
 
 namespace refit::net {
 
@@ -23,9 +24,11 @@ namespace {
 void require_readable(const std::string& key, const std::string& path) {
   if (path.empty())
     return;
-  std::ifstream in(path);
-  if (!in)
-    throw config::config_error(key, "cannot read '" + path + "'");
+  try {
+    fileio::read_regular_file(path, fileio::max_pem_bytes, "PEM file");
+  } catch (const fileio::file_error& e) {
+    throw config::config_error(key, e.what());
+  }
 }
 
 caf::io::middleman_actor connector(caf::actor_system& sys, const config::serve_config& serve) {
