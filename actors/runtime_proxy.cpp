@@ -320,6 +320,7 @@ runtime_proxy_impl::behavior_type runtime_proxy(self_ptr self, runtime_proxy_opt
   proc::spawn_options so;
   so.executable = st.opts.executable_path;
   so.args = runtime_arguments(st.opts);
+  so.scrub_env = st.opts.scrub_env; // the shared secret stays in this process
   // Memory preflight before the process exists: KV cache and resident weights of every TP
   // worker against MemAvailable / each GPU's free bytes. A refusal is deterministic
   // (errc::preflight_failed naming the key): the supervisor does not retry it as a crash.

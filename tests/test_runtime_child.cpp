@@ -688,6 +688,52 @@ INSTANTIATE_TEST_SUITE_P(RuntimeChild, BadArgumentsTest,
                          ::testing::ValuesIn(bad_argument_cases()),
                          [](const auto& info) { return info.param.name; });
 
+// refit-runtime's own memory preflight: a KV cache beyond the machine is refused before any
+// allocation, with the key and both numbers, and a distinct exit code (3), not SIGKILL by OOM.
+TEST(RuntimeChildPreflight, AKvCacheBeyondTheMachineExitsWith3NamingTheKey) {
+  auto [output, info] = run_capturing_stderr(command_line(args_for(2, std::uint64_t{1} << 62)));
+  EXPECT_TRUE(info.exited) << info.describe();
+  EXPECT_EQ(info.code, 3) << info.describe() << "\nstderr: " << output;
+  EXPECT_NE(output.find("preflight: runtime.kv_cache_bytes: 2 TP worker(s) on the host need"),
+            std::string::npos) << output;
+  EXPECT_NE(output.find("available (MemAvailable)"), std::string::npos) << output;
+}
+
+// The runtime child does not inherit the parent's secrets: the configured serve.token_env
+// (whatever its name) and anything named like a token or secret.
+TEST(SpawnChild, TheChildEnvironmentHasNoSecrets) {
+  const std::string out = ::testing::TempDir() + "refit-child-env-" + std::to_string(::getpid());
+  ::setenv("REFIT_TOKEN", "the-shared-secret-value", 1);
+  ::setenv("MY_DEPLOYMENT_KEY", "configured-token-env-value", 1);
+  ::setenv("REFIT_HARMLESS", "kept", 1);
+  proc::spawn_options opts;
+  opts.executable = "/bin/sh";
+  opts.args = {"-c", "env > '" + out + "'"};
+  opts.scrub_env = {"MY_DEPLOYMENT_KEY"};
+  auto child = proc::spawn_child(opts);
+  ::close(child.control_fd);
+  std::optional<proc::exit_info> done;
+  for (int i = 0; i < 500 && !done; ++i) {
+    done = proc::try_reap(child.pid);
+    if (!done)
+      std::this_thread::sleep_for(10ms);
+  }
+  ::unsetenv("REFIT_TOKEN");
+  ::unsetenv("MY_DEPLOYMENT_KEY");
+  ::unsetenv("REFIT_HARMLESS");
+  ASSERT_TRUE(done && done->exited && done->code == 0);
+  std::ifstream in(out);
+  std::string env((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::remove(out.c_str());
+  EXPECT_EQ(env.find("the-shared-secret-value"), std::string::npos) << env;
+  EXPECT_EQ(env.find("configured-token-env-value"), std::string::npos) << env;
+  EXPECT_NE(env.find("REFIT_HARMLESS=kept"), std::string::npos) << env;
+  EXPECT_NE(env.find("PATH="), std::string::npos) << env;
+  EXPECT_TRUE(proc::is_secret_env_name("HF_TOKEN"));
+  EXPECT_TRUE(proc::is_secret_env_name("db_password"));
+  EXPECT_FALSE(proc::is_secret_env_name("OMP_NUM_THREADS"));
+}
+
 // ---------------------------------------------------------------------------- weight publication
 //
 // The test plays the trainer side: one host_buffer_pool per trainer rank holding the full
