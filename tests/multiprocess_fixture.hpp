@@ -52,6 +52,7 @@ struct recipe_options {
   std::string tls;                     // YAML flow map for serve.tls
   std::string runtime_faults;          // YAML flow sequence for runtime.faults
   std::string serve_extra;             // more serve keys, ", key: value, ..."
+  std::string runtime_extra;           // more runtime keys, ", key: value, ..."
 };
 
 std::uint16_t free_port() {
@@ -98,7 +99,7 @@ protected:
       << "model: " << config::model_to_yaml(tiny.model) << "\n"
       << "runtime: {executable: " << REFIT_RUNTIME_EXE
       << ", tp_size: 2, devices: [cpu:0, cpu:1], kill_grace_ms: 300"
-      << (o.runtime_faults.empty() ? "" : ", faults: " + o.runtime_faults) << "}\n"
+      << (o.runtime_faults.empty() ? "" : ", faults: " + o.runtime_faults) << o.runtime_extra << "}\n"
       << "supervisor: {max_restarts: 3, backoff_initial_ms: 20, backoff_max_ms: 100}\n"
       << "trainer: {lr: 0.001, init_scale: 0.02"
       << (o.trainer_faults.empty() ? "" : ", faults: " + o.trainer_faults) << "}\n"

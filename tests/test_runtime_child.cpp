@@ -15,7 +15,9 @@
 #include <optional>
 #include <poll.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <stdexcept>
+#include <set>
 #include <string>
 #include <thread>
 #include <unistd.h>
@@ -697,6 +699,42 @@ TEST(RuntimeChildPreflight, AKvCacheBeyondTheMachineExitsWith3NamingTheKey) {
   EXPECT_NE(output.find("preflight: runtime.kv_cache_bytes: 2 TP worker(s) on the host need"),
             std::string::npos) << output;
   EXPECT_NE(output.find("available (MemAvailable)"), std::string::npos) << output;
+}
+
+// The child keeps only fds 0, 1, 2 and its control fd, also when the parent's descriptor
+// limit was raised (the serve listener raises it) and an fd sits at the top of the range.
+TEST(SpawnChild, OnlyTheControlFdIsInheritedEvenAtTheTopOfTheFdRange) {
+  rlimit rl{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &rl), 0);
+  const rlimit before = rl;
+  rl.rlim_cur = std::min<rlim_t>(rl.rlim_max, 1u << 20);
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &rl), 0);
+  const int top = static_cast<int>(rl.rlim_cur - 1);
+  const int high = ::dup2(STDERR_FILENO, top); // inheritable (dup2 clears close-on-exec)
+  ASSERT_EQ(high, top);
+  const std::string out = ::testing::TempDir() + "refit-child-fds-" + std::to_string(::getpid());
+  proc::spawn_options opts;
+  opts.executable = "/bin/sh";
+  opts.args = {"-c", "ls /proc/self/fd > '" + out + "'"};
+  auto child = proc::spawn_child(opts);
+  ::close(high);
+  ::close(child.control_fd);
+  std::optional<proc::exit_info> done;
+  for (int i = 0; i < 500 && !done; ++i) {
+    done = proc::try_reap(child.pid);
+    if (!done)
+      std::this_thread::sleep_for(10ms);
+  }
+  ::setrlimit(RLIMIT_NOFILE, &before);
+  ASSERT_TRUE(done && done->exited && done->code == 0);
+  std::ifstream in(out);
+  std::set<int> fds;
+  for (int fd; in >> fd;)
+    fds.insert(fd);
+  std::remove(out.c_str());
+  EXPECT_EQ(fds.count(top), 0u) << "fd " << top << " leaked into the child";
+  EXPECT_EQ(fds.count(3), 1u) << "the control fd";
+  EXPECT_LE(fds.size(), 5u) << "0, 1, 2, 3 and the fd ls reads /proc/self/fd through";
 }
 
 // The runtime child does not inherit the parent's secrets: the configured serve.token_env

@@ -205,4 +205,27 @@ TEST_F(ServeHostile, ThousandUnauthenticatedConnectionsStayBoundedAndTrainersSti
   quit_and_stop(t0, t1);
 }
 
+// A recipe whose KV cache is beyond the machine: `serve` refuses it before anything is
+// allocated, naming the key and both numbers, without four spawn attempts ending in SIGKILL.
+TEST_F(ServeHostile, AKvCacheBeyondTheMachineIsRefusedAtStartupNamingTheKey) {
+  recipe_options o;
+  o.runtime_extra = ", kv_cache_bytes: 4611686018427387904"; // 2^62 per worker
+  auto recipe = write_recipe("recipe.yaml", o);
+  coordinator = std::make_unique<child_process>(
+    std::vector<std::string>{coordinator_exe, "serve", "-c", recipe, "--port", "0"},
+    dir + "coordinator-preflight.stderr",
+    std::vector<std::pair<std::string, std::string>>{{"REFIT_TEST_TOKEN", token}});
+  auto rc = coordinator->wait(60s);
+  ASSERT_TRUE(rc) << "refit-coordinator serve did not exit";
+  EXPECT_EQ(*rc, 1);
+  auto log = coordinator->stderr_text();
+  EXPECT_THAT(log, HasSubstr("preflight_failed at runtime.kv_cache_bytes"));
+  EXPECT_THAT(log, HasSubstr("4611686018427387904 bytes each"));
+  EXPECT_THAT(log, HasSubstr("available (MemAvailable)"));
+  EXPECT_THAT(log, HasSubstr("not retried"));
+  EXPECT_THAT(log, Not(HasSubstr("serving tp="))) << "no runtime was started";
+  EXPECT_THAT(log, Not(HasSubstr("signal 9")));
+  coordinator.reset();
+}
+
 } // namespace

@@ -15,6 +15,7 @@
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <system_error>
 #include <thread>
@@ -137,13 +138,27 @@ child_process spawn_child(const spawn_options& opts) {
       (void)!::write(exec_pipe[1], &e, sizeof(e));
       ::_exit(127);
     }
-    // Keep exec_pipe[1] open across the close loop (it is close-on-exec anyway).
-    long max_fd = ::sysconf(_SC_OPEN_MAX);
-    if (max_fd < 0 || max_fd > 65536)
-      max_fd = 65536;
-    for (int fd = 3; fd < max_fd; ++fd)
-      if (fd != opts.child_control_fd && fd != exec_pipe[1])
-        ::close(fd);
+    // Keep exec_pipe[1] open across the close loop (it is close-on-exec anyway). close_range
+    // covers every fd number, however high RLIMIT_NOFILE was raised (the serve listener
+    // raises it); the loop is the fallback for kernels without it.
+    const int keep_lo = std::min(opts.child_control_fd, exec_pipe[1]);
+    const int keep_hi = std::max(opts.child_control_fd, exec_pipe[1]);
+    bool closed = false;
+#if defined(SYS_close_range)
+    closed = (keep_lo <= 3 || ::syscall(SYS_close_range, 3u, static_cast<unsigned>(keep_lo - 1), 0u) == 0)
+             && (keep_hi - keep_lo <= 1
+                 || ::syscall(SYS_close_range, static_cast<unsigned>(keep_lo + 1),
+                              static_cast<unsigned>(keep_hi - 1), 0u) == 0)
+             && ::syscall(SYS_close_range, static_cast<unsigned>(keep_hi + 1), ~0u, 0u) == 0;
+#endif
+    if (!closed) {
+      long max_fd = ::sysconf(_SC_OPEN_MAX);
+      if (max_fd < 0 || max_fd > 65536)
+        max_fd = 65536;
+      for (int fd = 3; fd < max_fd; ++fd)
+        if (fd != opts.child_control_fd && fd != exec_pipe[1])
+          ::close(fd);
+    }
     ::execve(argv[0], argv.data(), envp.data());
     int e = errno;
     (void)!::write(exec_pipe[1], &e, sizeof(e));
