@@ -1095,6 +1095,32 @@ TEST(Publication, MakesWeightsWokenFromSleepLevel2Valid) {
   EXPECT_EQ(d.sleep_level(), 0u);
 }
 
+// The producer of a buffer the runtime has mapped tries to shrink it between two chunks (the
+// runtime reuses the mapping, so a shrunk memfd used to kill it with SIGBUS): the seals refuse
+// the ftruncate, and the publication goes on and commits.
+TEST(Publication, AMappedBufferCannotBeShrunkBetweenChunks) {
+  runtime_child child(args_for(2));
+  trainer_ranks trainer(2);
+  const auto weights = synthetic_canonical(2);
+  const auto header = publication_header(2, 1, "pub-shrink");
+  const auto chunks = pack(weights);
+  ASSERT_GE(chunks.size(), 3u) << "buffer 0 is used again for chunk 2";
+  ASSERT_TRUE(init_transfer(child).ok());
+  ASSERT_TRUE(require_ok(start_update(child, header)).ok());
+  const auto first = trainer.chunk(weights, chunks, 0, header.publication_id());
+  ASSERT_TRUE(require_ok(update_weights(child, first)).ok());
+  const std::string handle = first.handles(0).handle();
+  const int fd = std::stoi(handle.substr(handle.rfind(':') + 1));
+  errno = 0;
+  EXPECT_EQ(::ftruncate(fd, 0), -1);
+  EXPECT_EQ(errno, EPERM) << "F_SEAL_SHRINK";
+  for (std::size_t k = 1; k < chunks.size(); ++k)
+    ASSERT_TRUE(require_ok(update_weights(child, trainer.chunk(weights, chunks, k, header.publication_id()))).ok())
+      << "chunk " << k;
+  ASSERT_TRUE(require_ok(finish_update(child, header.publication_id(), 1)).ok());
+  EXPECT_EQ(child.describe().model_version(), 1u);
+}
+
 TEST(Publication, SleepIsRefusedWhileAnUpdateIsOpen) {
   runtime_child child(args_for(1));
   trainer_ranks trainer(1);
