@@ -1,8 +1,7 @@
 // Cross-process all-gather over shared memory (see shm_collective.hpp).
 #include "runtime/publication/shm_collective.hpp"
-
-#include "runtime/publication/memfd.hpp"
 #include "runtime/publication/host_buffer.hpp"
+#include "runtime/publication/memfd.hpp"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -132,7 +131,8 @@ shm_endpoint::shm_endpoint(std::uint32_t rank) : rank_(rank) {
   fd_ = create_sealable_memfd("refit-allgather", "all-gather endpoint");
   // The staging area grows (reserve), it never shrinks: sealed against shrinking before the
   // handle exists, so a peer's mapping can never lose pages (no SIGBUS).
-  if (::ftruncate(fd_, static_cast<off_t>(header_bytes)) != 0 || ::fcntl(fd_, F_ADD_SEALS, F_SEAL_SHRINK) != 0) {
+  if (::ftruncate(fd_, static_cast<off_t>(header_bytes)) != 0
+      || ::fcntl(fd_, F_ADD_SEALS, F_SEAL_SHRINK) != 0) {
     auto e = errno_error("all-gather endpoint: ftruncate / F_ADD_SEALS");
     ::close(fd_);
     throw e;

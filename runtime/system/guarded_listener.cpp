@@ -182,6 +182,9 @@ void guarded_listener::run() {
   };
   std::vector<pollfd> fds;
   std::vector<std::list<pending>::iterator> index;
+  // Out of descriptors (EMFILE/ENFILE): the listening socket stays readable, so it is left out
+  // of the poll for a moment instead of spinning; the backlog waits in the kernel meanwhile.
+  auto accept_paused_until = clock_type::now() - std::chrono::seconds(1);
   for (;;) {
     auto now = clock_type::now();
     // Expired handshakes go first.
@@ -193,8 +196,9 @@ void guarded_listener::run() {
     fds.clear();
     index.clear();
     fds.push_back({wake_fd_, POLLIN, 0});
-    fds.push_back({listen_fd_, POLLIN, 0});
-    auto next = now + std::chrono::seconds(1);
+    const bool accepting = now >= accept_paused_until;
+    fds.push_back({listen_fd_, static_cast<short>(accepting ? POLLIN : 0), 0});
+    auto next = accepting ? now + std::chrono::seconds(1) : accept_paused_until;
     for (auto it = sessions.begin(); it != sessions.end(); ++it) {
       short ev = POLLIN;
       if (it->session.wants_write())
@@ -238,8 +242,11 @@ void guarded_listener::run() {
         socklen_t len = sizeof(a);
         int fd = ::accept4(listen_fd_, reinterpret_cast<sockaddr*>(&a), &len,
                            SOCK_NONBLOCK | SOCK_CLOEXEC);
-        if (fd < 0)
-          break; // EAGAIN, or EMFILE: the rest waits in the kernel's backlog
+        if (fd < 0) {
+          if (errno == EMFILE || errno == ENFILE)
+            accept_paused_until = clock_type::now() + std::chrono::milliseconds(100);
+          break; // EAGAIN (nothing more), or out of descriptors
+        }
         if (sessions.size() >= opts_.max_pending) {
           ::close(fd);
           ++counters_->over_cap;
