@@ -26,6 +26,7 @@ struct runtime_proxy_options {
   float init_scale = 0.02f;          // ... and their scale
   std::string model_path;            // a Hugging Face model directory ("" = synthetic weights)
   std::string executable_path;       // resolved path of refit-runtime
+  std::vector<std::string> scrub_env; // environment variables the runtime must not inherit
 };
 
 // Builds the refit-runtime command line for `opts` (exposed for tests and docs).

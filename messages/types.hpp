@@ -152,13 +152,16 @@ struct publication_header {
   std::vector<std::string> device_uuids;
   std::uint64_t expected_tensor_count = 0;
   bool verify = false; // ask workers for resident checksums (byte-exact verifier)
+  // Ordered like device_uuids: the process of trainer rank r, whose memfd handles alone TP
+  // worker r maps (host transport).
+  std::vector<std::uint32_t> producer_pids;
 };
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, publication_header& x) {
   return f(caf::meta::type_name("publication_header"), x.protocol_version, x.transport,
            x.publication_id, x.model_version, x.tp_world_size, x.manifest_fingerprint,
-           x.device_uuids, x.expected_tensor_count, x.verify);
+           x.device_uuids, x.expected_tensor_count, x.verify, x.producer_pids);
 }
 
 struct tensor_meta {
@@ -333,12 +336,13 @@ struct rank_info {
   std::uint64_t step = 0;   // synthetic optimizer steps applied
   std::uint64_t shard_bytes = 0;
   std::uint64_t peak_materialized_bytes = 0; // most packed bytes held before a transfer freed them
+  std::uint32_t pid = 0;    // the process holding the rank's packed buffers
 };
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, rank_info& x) {
   return f(caf::meta::type_name("rank_info"), x.rank, x.world, x.device, x.device_uuid,
-           x.free_bytes, x.step, x.shard_bytes, x.peak_materialized_bytes);
+           x.free_bytes, x.step, x.shard_bytes, x.peak_materialized_bytes, x.pid);
 }
 
 // Sent to every rank before any materialization: each rank re-plans from its own model

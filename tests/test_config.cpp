@@ -9,6 +9,7 @@
 #include <fstream>
 #include <string>
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 namespace {
@@ -584,7 +585,7 @@ TEST(ConfigFiles, MissingFileNamesThePath) {
     FAIL() << "loaded a missing file";
   } catch (const config_error& e) {
     EXPECT_EQ(e.key, "");
-    EXPECT_THAT(e.what(), HasSubstr("cannot open config file '" + path + "'"));
+    EXPECT_THAT(e.what(), HasSubstr("config file '" + path + "': cannot open"));
   }
 }
 
@@ -593,8 +594,33 @@ TEST(ConfigFiles, DirectoryIsRejected) {
     config::load_file(source_dir + "/configs");
     FAIL() << "loaded a directory";
   } catch (const config_error& e) {
-    EXPECT_THAT(e.what(), HasSubstr("it is a directory"));
+    EXPECT_THAT(e.what(), HasSubstr("is a directory, not a regular file"));
   }
+}
+
+// Only regular files of bounded size are read: /dev/zero, a FIFO or a huge (sparse) file is
+// refused before a byte of it is buffered, naming the file.
+TEST(ConfigFiles, UnboundedOrSpecialFilesAreRefusedNamingTheFile) {
+  auto refused = [](const std::string& path) -> std::string {
+    try {
+      config::load_file(path);
+    } catch (const config_error& e) {
+      return e.what();
+    }
+    return "<loaded>";
+  };
+  auto zero = refused("/dev/zero");
+  EXPECT_THAT(zero, HasSubstr("config file '/dev/zero': is a character device, not a regular file"));
+  const auto dir = std::filesystem::temp_directory_path();
+  const auto fifo = (dir / ("refit-test-fifo-" + std::to_string(::getpid()))).string();
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  EXPECT_THAT(refused(fifo), HasSubstr("'" + fifo + "': is a FIFO")) << "and open() did not block";
+  std::filesystem::remove(fifo);
+  const auto huge = (dir / ("refit-test-huge-" + std::to_string(::getpid()) + ".yaml")).string();
+  std::ofstream(huge).close();
+  std::filesystem::resize_file(huge, 17u << 20); // sparse: no disk used
+  EXPECT_THAT(refused(huge), HasSubstr("has 17825792 bytes, more than the 16777216-byte cap"));
+  std::filesystem::remove(huge);
 }
 
 TEST(ConfigFiles, ParseErrorsNameTheFile) {
@@ -706,9 +732,19 @@ TEST(ConfigServe, RangesAndCrossChecks) {
   expect_error(base + "serve: {" + token + ", tls: {enabled: true, certificate: c.pem, key: k.pem}}\n",
                "serve.tls.cafile", "verifies the peers");
   expect_error(base + "serve: {" + token + ", tls: {enabled: true, cafile: ca.pem}}\n",
-               "serve.tls.cafile", "needs serve.tls.certificate");
-  // Anonymous encryption: enabled alone is valid.
-  EXPECT_TRUE(config::parse_yaml(base + "serve: {" + token + ", tls: {enabled: true}}\n").serve.tls.enabled);
+               "serve.tls.certificate", "anonymous TLS authenticates neither side");
+  // Anonymous encryption would hand the hello's token to whoever holds the port: refused.
+  expect_error(base + "serve: {" + token + ", tls: {enabled: true}}\n", "serve.tls.certificate",
+               "an impostor listener would receive the shared secret");
+  // The listener's handshake bounds.
+  expect_error(base + "serve: {" + token + ", handshake_timeout_ms: 0}\n",
+               "serve.handshake_timeout_ms", "out of range");
+  expect_error(base + "serve: {" + token + ", max_pending_handshakes: 0}\n",
+               "serve.max_pending_handshakes", "out of range");
+  auto bounded = config::parse_yaml(base + "serve: {" + token
+                                    + ", handshake_timeout_ms: 750, max_pending_handshakes: 8}\n");
+  EXPECT_EQ(bounded.serve.handshake_timeout_ms, 750u);
+  EXPECT_EQ(bounded.serve.max_pending_handshakes, 8u);
 }
 
 } // namespace

@@ -22,6 +22,7 @@
 
 #include "runtime/child/device_memory.hpp"
 #include "runtime/child/server.hpp"
+#include "runtime/publication/memory_preflight.hpp"
 #include "runtime/config/config.hpp"
 #include "runtime/device/device.hpp"
 #include "runtime/control/framing.hpp"
@@ -32,6 +33,7 @@ namespace {
 using refit::child::log_line;
 
 constexpr int exit_bad_arguments = 2;
+constexpr int exit_preflight = 3; // the recipe asks for more memory than the devices have
 
 // A bad command-line value; `option` names the option ("--tp").
 struct option_error : std::runtime_error {
@@ -185,6 +187,9 @@ int main(int argc, char** argv) {
   try {
     refit::child::server server(std::move(options));
     return server.serve();
+  } catch (const refit::publication::memory_refusal& e) {
+    log_line(std::string("preflight: ") + e.what());
+    return exit_preflight;
   } catch (const std::exception& e) {
     log_line(std::string("fatal: ") + e.what());
     return 1;

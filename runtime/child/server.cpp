@@ -2,6 +2,8 @@
 // the command handlers (commands.cpp) or a test fault (faults.cpp), and answers each one.
 #include "runtime/child/server.hpp"
 
+#include "runtime/publication/memory_preflight.hpp"
+
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
@@ -38,6 +40,10 @@ server::server(server_options options)
       options_.model, static_cast<std::uint32_t>(options_.devices.size()))),
     transfer_(options_.model, layout_, workers_) {
   const std::uint32_t tp = layout_->tp();
+  // Before any allocation: the workers' resident weights and KV caches must fit what the
+  // devices have (the parent checked too; this covers a direct command line). Throws
+  // publication::memory_refusal naming the key; main exits with exit_preflight.
+  publication::preflight_runtime_memory(options_.model, options_.devices, options_.kv_cache_bytes);
   comm_ = std::make_unique<inference::inproc_comm>(
     tp, std::chrono::duration_cast<std::chrono::milliseconds>(collective_timeout));
   for (std::uint32_t rank = 0; rank < tp; ++rank)

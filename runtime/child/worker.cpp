@@ -229,11 +229,12 @@ const producer_view* worker::find_mapping(const std::string& handle) const {
   return found == mappings_.end() ? nullptr : found->second.get();
 }
 
-const producer_view& worker::map_buffer(const std::string& handle, std::uint64_t size) {
+const producer_view& worker::map_buffer(const std::string& handle, std::uint64_t size,
+                                        int producer_pid) {
   if (mappings_.count(handle) != 0)
     throw std::logic_error("worker " + std::to_string(rank_) + ": buffer " + handle
                            + " is mapped already");
-  auto& view = *mappings_.emplace(handle, memory_->open_producer(handle, size)).first->second;
+  auto& view = *mappings_.emplace(handle, memory_->open_producer(handle, size, producer_pid)).first->second;
   ++mappings_opened_;
   return view;
 }

@@ -105,7 +105,7 @@ public:
   const producer_view* find_mapping(const std::string& handle) const;
   // Opens `size` bytes of producer buffer `handle` read-only and keeps it open until
   // unmap_buffers (a buffer is opened once per transfer). Throws if it is open already.
-  const producer_view& map_buffer(const std::string& handle, std::uint64_t size);
+  const producer_view& map_buffer(const std::string& handle, std::uint64_t size, int producer_pid);
   // Waits for every load_tensor copy issued so far (the producer may then rewrite the buffer).
   void finish_loads();
   // Loads every tensor of `params` from synthetic weights `w` (step 0), generated on this

@@ -121,9 +121,10 @@ struct journal_config {
   std::string path = "refit-journal.bin"; // truncated when the rollout side is spawned
 };
 
-// TLS for the serve connections (libcaf_openssl). With a certificate, key and CA file both
-// sides authenticate each other (mutual verification); with only `enabled: true` the
-// connection is encrypted with an anonymous cipher suite (no authentication beyond the token).
+// TLS for the serve connections (libcaf_openssl). A certificate, key and CA file are required:
+// both sides authenticate each other (mutual verification) before the hello carries the token.
+// (Anonymous TLS authenticates nobody, so an impostor listener would receive the secret: it is
+// refused by validate.)
 struct tls_config {
   bool enabled = false;
   std::string certificate; // PEM certificate of this side
@@ -146,6 +147,10 @@ struct serve_config {
   std::uint32_t join_timeout_ms = 10000;     // connect + hello + join
   std::uint32_t publish_barrier_ms = 60000;  // first rank's publish -> every rank's publish
   std::uint32_t publish_timeout_ms = 600000; // every rank arrived -> committed or failed
+  // The listener's own handshake (plain TCP mode, runtime/system/guarded_listener.hpp): how
+  // long an unauthenticated connection may take to prove the secret, and how many may wait.
+  std::uint32_t handshake_timeout_ms = 5000;
+  std::uint32_t max_pending_handshakes = 64;
   tls_config tls;
 };
 

@@ -1,6 +1,7 @@
 // Strict YAML recipe parsing: every key is typed, unknown keys are errors naming the full key
 // path, the offending value and where in the source it was.
 #include "runtime/config/config.hpp"
+#include "runtime/fileio/read_file.hpp"
 #include "runtime/config/common.hpp"
 #include "runtime/checkpoint/source.hpp"
 
@@ -508,6 +509,10 @@ void read_serve(yaml_reader& r, const YAML::Node& node, const std::string& path,
      [&](const YAML::Node& v, const std::string& p) { s.publish_barrier_ms = r.u32(v, p); }},
     {"publish_timeout_ms",
      [&](const YAML::Node& v, const std::string& p) { s.publish_timeout_ms = r.u32(v, p); }},
+    {"handshake_timeout_ms",
+     [&](const YAML::Node& v, const std::string& p) { s.handshake_timeout_ms = r.u32(v, p); }},
+    {"max_pending_handshakes",
+     [&](const YAML::Node& v, const std::string& p) { s.max_pending_handshakes = r.u32(v, p); }},
     {"tls", [&](const YAML::Node& v, const std::string& p) { read_tls(r, v, p, s.tls); }},
   });
 }
@@ -545,17 +550,13 @@ refit_config parse_yaml(const std::string& text, const std::string& origin,
 }
 
 refit_config load_file(const std::string& path) {
-  std::error_code ec;
-  if (std::filesystem::is_directory(path, ec))
-    throw config_error("", "cannot read config file '" + path + "': it is a directory");
-  std::ifstream in(path, std::ios::binary);
-  if (!in)
-    throw config_error("", "cannot open config file '" + path + "': " + std::strerror(errno));
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad())
-    throw config_error("", "cannot read config file '" + path + "'");
-  return parse_yaml(text.str(), path,
+  std::string text;
+  try {
+    text = fileio::read_regular_file(path, fileio::max_config_bytes, "config file");
+  } catch (const fileio::file_error& e) {
+    throw config_error("", e.what());
+  }
+  return parse_yaml(text, path,
                     std::filesystem::absolute(std::filesystem::path(path)).parent_path().string());
 }
 

@@ -42,6 +42,8 @@ proxy_factory make_runtime_proxy_factory(const config::refit_config& cfg,
   opts.init_scale = cfg.trainer.init_scale;
   opts.model_path = cfg.model_path;
   opts.executable_path = std::move(runtime_exe);
+  if (!cfg.serve.token_env.empty())
+    opts.scrub_env.push_back(cfg.serve.token_env); // whatever its name, the secret stays here
   return [opts](caf::actor_system& sys, std::uint64_t incarnation) -> runtime_proxy_actor {
     // Test-only faults go to the incarnation they name (0 = every one).
     auto o = opts;
