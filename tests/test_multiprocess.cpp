@@ -3,6 +3,8 @@
 // refit-runtime child, all talking through CAF's middleman. Byte-exact publications, a trainer
 // SIGKILLed during chunk materialization, refused joins (token, protocol version, interface), a
 // coordinator restart while ranks wait, the publish barrier, TLS; no process is left behind.
+#include "free_port.hpp"
+
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -53,17 +55,7 @@ struct recipe_options {
   std::string runtime_faults;          // YAML flow sequence for runtime.faults
 };
 
-std::uint16_t free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
+using refit::testing::free_port;
 
 class MultiProcess : public ::testing::Test {
 protected:

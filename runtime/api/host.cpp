@@ -7,6 +7,7 @@
 
 #include <unistd.h>
 
+#include <cstdio>
 #include <iostream>
 #include <optional>
 #include <thread>
@@ -28,6 +29,7 @@
 #include "runtime/control/process.hpp"
 #include "runtime/control/protocol_version.hpp"
 #include "runtime/publication/backend.hpp"
+#include "runtime/publication/registered.hpp"
 #include "runtime/publication/shm_collective.hpp"
 #include "runtime/system/serve.hpp"
 
@@ -117,6 +119,9 @@ struct host::impl {
   config::refit_config cfg;
   std::optional<rank_spec> rank;
   std::optional<synthetic_weights> weights;
+  // The trainer's own tensors (register_tensor); sealed by connect().
+  std::shared_ptr<refit::publication::registered_weights> registered;
+  std::vector<tensor_spec> tensors;
   std::string address; // host:port of the coordinator
 
   std::unique_ptr<caf::actor_system_config> sys_cfg;
@@ -195,6 +200,9 @@ error host::register_rank(rank_spec spec) {
   auto& p = *impl_;
   if (p.connected)
     return api_error("invalid_state", "register_rank", "already connected");
+  if (p.registered)
+    return api_error("invalid_state", "register_rank", "tensors are registered for the rank "
+                                                       "registered before");
   auto world = config::serve_world(p.cfg);
   if (spec.world == 0)
     spec.world = world;
@@ -230,8 +238,80 @@ error host::register_weights(synthetic_weights weights) {
   if (!(weights.init_scale > 0.0f && weights.init_scale <= 10.0f))
     return api_error("invalid_argument", "weights.init_scale",
                      std::to_string(weights.init_scale) + " is out of range (0, 10]");
+  if (p.registered)
+    return api_error("invalid_state", "register_weights",
+                     "this rank already registered its own tensors (register_tensor)");
   p.weights = weights;
   return {};
+}
+
+error host::register_tensor(tensor_spec spec) {
+  auto& p = *impl_;
+  const std::string where = spec.name.empty() ? "tensor" : spec.name;
+  if (p.connected)
+    return api_error("invalid_state", where, "register_tensor after connect");
+  if (!p.rank)
+    return api_error("invalid_state", where, "register_rank first");
+  if (p.weights)
+    return api_error("invalid_state", where,
+                     "this rank already registered synthetic weights (register_weights)");
+  try {
+    if (!p.registered)
+      p.registered = std::make_shared<refit::publication::registered_weights>(
+        p.cfg.model, p.rank->world, p.rank->rank, device::parse(p.rank->device, "rank.device"));
+    refit::publication::tensor_registration t;
+    t.name = spec.name;
+    t.data = static_cast<const std::byte*>(spec.data);
+    t.bytes = spec.bytes;
+    t.dt = model::parse_dtype(spec.dtype, where + ".dtype");
+    t.device = spec.device;
+    t.global_shape = spec.global_shape;
+    t.placement = spec.sharding == placement::replicated
+                    ? refit::publication::tensor_placement::replicated
+                    : refit::publication::tensor_placement::shard0;
+    t.row_begin = spec.row_begin;
+    t.rows = spec.rows;
+    p.registered->add(std::move(t));
+  } catch (const model::model_error& e) {
+    return api_error("invalid_argument", e.where, e.what());
+  } catch (const std::exception& e) {
+    return api_error("invalid_argument", where, e.what());
+  }
+  p.tensors.push_back(std::move(spec));
+  return {};
+}
+
+namespace {
+
+std::string pointer_text(const void* ptr) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%p", ptr);
+  return buf;
+}
+
+error moved_error(const tensor_spec& t, const void* data, std::uint64_t bytes) {
+  return api_error("invalid_argument", t.name,
+                   "the tensor's memory changed since registration (pointer "
+                     + pointer_text(t.data) + " -> " + pointer_text(data) + ", "
+                     + std::to_string(t.bytes) + " -> " + std::to_string(bytes)
+                     + " bytes): registered memory must stay at the same address and size; "
+                       "nothing was published");
+}
+
+} // namespace
+
+error host::check_tensor(const std::string& name, const void* data, std::uint64_t bytes) const {
+  for (const auto& t : impl_->tensors)
+    if (t.name == name)
+      return t.data == data && t.bytes == bytes ? error{} : moved_error(t, data, bytes);
+  return api_error("invalid_argument", name, "no tensor of this name is registered");
+}
+
+std::vector<model_tensor> host::model_tensors() const {
+  std::vector<model_tensor> out;
+  for (const auto& p : model::expected_key_stream(impl_->cfg.model))
+    out.push_back({p.name, p.shape, model::dtype_name(p.dt)});
+  return out;
 }
 
 error host::impl::connect() {
@@ -248,8 +328,17 @@ error host::impl::connect_steps() {
     return api_error("invalid_state", "connect", "already connected");
   if (!rank)
     return api_error("invalid_state", "connect", "register_rank first");
-  if (!weights)
-    return api_error("invalid_state", "connect", "register_weights first");
+  if (!weights && !registered)
+    return api_error("invalid_state", "connect", "register_weights or register_tensor first");
+  if (registered) {
+    try {
+      registered->seal(); // the whole set against the model's key stream
+    } catch (const model::model_error& e) {
+      return api_error("invalid_argument", e.where, e.what());
+    } catch (const std::exception& e) {
+      return api_error("invalid_argument", "tensors", e.what());
+    }
+  }
   std::string token;
   try {
     token = config::resolve_token(cfg.serve);
@@ -336,7 +425,9 @@ error host::impl::connect_steps() {
   ro.world = rank->world;
   ro.device = rank->device;
   ro.model = cfg.model;
-  ro.weights = {weights->seed, weights->lr, weights->init_scale};
+  if (weights)
+    ro.weights = {weights->seed, weights->lr, weights->init_scale};
+  ro.registered = registered;
   for (const auto& f : cfg.trainer.faults)
     if (f.rank == rank->rank)
       ro.faults.push_back(f);
@@ -345,7 +436,7 @@ error host::impl::connect_steps() {
   ro.gate = gate;
   ro.collective_timeout_ms = cfg.publication.gate_deadline_ms * 9 / 10;
   rank_actor = sys->spawn(trainer_rank, std::move(ro));
-  for (std::uint64_t s = 0; s < weights->start_step; ++s) {
+  for (std::uint64_t s = 0; weights && s < weights->start_step; ++s) {
     self->request(rank_actor, std::chrono::minutes(10), step_atom::value)
       .receive([](std::uint64_t) {}, [&](caf::error& e) { err = std::move(e); });
     if (err)
@@ -407,6 +498,15 @@ result<publication> host::publish(std::uint64_t model_version) {
   auto& p = *impl_;
   if (!p.connected)
     return api_error("invalid_state", "publish", "connect first");
+  // Registered memory that moved or resized is refused before anything is published.
+  for (const auto& t : p.tensors)
+    if (t.current) {
+      const void* data = t.data;
+      std::uint64_t bytes = t.bytes;
+      t.current(data, bytes);
+      if (data != t.data || bytes != t.bytes)
+        return moved_error(t, data, bytes);
+    }
   auto b = serve::bounds_of(p.cfg);
   caf::scoped_actor self{*p.sys};
   std::optional<publication> out;

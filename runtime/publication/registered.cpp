@@ -110,6 +110,9 @@ registered_weights::registered_weights(const model::model_config& cfg, std::uint
                                        std::uint32_t rank, device::spec rank_device)
   : cfg_(cfg), world_(world), rank_(rank), device_(rank_device) {
   model::validate(cfg_, 1);
+  expected_ = model::expected_key_stream(cfg_);
+  for (std::size_t i = 0; i < expected_.size(); ++i)
+    canonical_.emplace(expected_[i].name, i);
   if (world_ == 0 || rank_ >= world_)
     throw std::invalid_argument("registered weights: rank " + std::to_string(rank_)
                                 + " is out of range for world " + std::to_string(world_));
@@ -135,6 +138,30 @@ void registered_weights::add(tensor_registration t) {
   if (dev.k != device_.k || (dev.k == device::kind::cuda && dev.index != device_.index))
     throw model::model_error(t.name, "is on " + t.device + ", this rank's device is "
                                        + device::to_string(device_));
+  // Part of the model, with the model's dtype and shape; the rows of this rank.
+  std::uint32_t layer = 0;
+  model::param_meta want;
+  const std::int64_t E = cfg_.num_experts, I = cfg_.moe_intermediate_size, H = cfg_.hidden_size;
+  if (auto it = canonical_.find(t.name); it != canonical_.end()) {
+    want = expected_[it->second];
+  } else if (auto kind = parse_fused(t.name, layer);
+             kind != fused_kind::none && layer < cfg_.num_hidden_layers) {
+    want.name = t.name;
+    want.dt = cfg_.torch_dtype;
+    want.shape = kind == fused_kind::gate_up ? std::vector<std::int64_t>{E, 2 * I, H}
+                                             : std::vector<std::int64_t>{E, H, I};
+  } else {
+    throw model::model_error(t.name, "extra tensor: not part of the model's key stream ("
+                                       + std::to_string(expected_.size()) + " tensors, "
+                                       + std::to_string(cfg_.num_hidden_layers) + " layers)");
+  }
+  if (t.dt != want.dt)
+    throw model::model_error(t.name, std::string("dtype ") + model::dtype_name(t.dt)
+                                       + ", the model expects " + model::dtype_name(want.dt));
+  if (t.global_shape != want.shape)
+    throw model::model_error(t.name, "global shape " + shape_text(t.global_shape)
+                                       + ", the model expects " + shape_text(want.shape));
+  check_rows(t, world_, rank_);
   if (t.bytes > 0 && t.data == nullptr)
     throw model::model_error(t.name, "null data pointer for " + std::to_string(t.bytes) + " bytes");
   by_name_.emplace(t.name, tensors_.size());
@@ -144,39 +171,10 @@ void registered_weights::add(tensor_registration t) {
 void registered_weights::seal() {
   if (sealed_)
     return;
-  auto expected = model::expected_key_stream(cfg_);
-  std::unordered_map<std::string, std::size_t> canonical;
-  for (std::size_t i = 0; i < expected.size(); ++i)
-    canonical.emplace(expected[i].name, i);
-  const std::int64_t E = cfg_.num_experts, I = cfg_.moe_intermediate_size, H = cfg_.hidden_size;
+  auto expected = expected_;
+  const std::int64_t I = cfg_.moe_intermediate_size, H = cfg_.hidden_size;
 
-  // 1. Every registered tensor is part of the model, with the model's dtype and shape.
-  for (const auto& t : tensors_) {
-    std::uint32_t layer = 0;
-    model::param_meta want;
-    if (auto it = canonical.find(t.name); it != canonical.end()) {
-      want = expected[it->second];
-    } else if (auto kind = parse_fused(t.name, layer);
-               kind != fused_kind::none && layer < cfg_.num_hidden_layers) {
-      want.name = t.name;
-      want.dt = cfg_.torch_dtype;
-      want.shape = kind == fused_kind::gate_up ? std::vector<std::int64_t>{E, 2 * I, H}
-                                               : std::vector<std::int64_t>{E, H, I};
-    } else {
-      throw model::model_error(t.name, "extra tensor: not part of the model's key stream ("
-                                         + std::to_string(expected.size()) + " tensors, "
-                                         + std::to_string(cfg_.num_hidden_layers) + " layers)");
-    }
-    if (t.dt != want.dt)
-      throw model::model_error(t.name, std::string("dtype ") + model::dtype_name(t.dt)
-                                         + ", the model expects " + model::dtype_name(want.dt));
-    if (t.global_shape != want.shape)
-      throw model::model_error(t.name, "global shape " + shape_text(t.global_shape)
-                                         + ", the model expects " + shape_text(want.shape));
-    check_rows(t, world_, rank_);
-  }
-
-  // 2. Every canonical tensor has exactly one source.
+  // Every canonical tensor has exactly one source (each registration was checked by add).
   std::vector<canonical_source> sources(expected.size());
   const std::uint64_t es = model::dtype_size(cfg_.torch_dtype);
   for (std::size_t i = 0; i < expected.size(); ++i) {
@@ -212,7 +210,7 @@ void registered_weights::seal() {
                                           : canonical_source{fused, base};
   }
 
-  // 3. Pieces: rank q contributes T's global rows fsdp_chunk(N_T, W, q) inside the tensor.
+  // Pieces: rank q contributes T's global rows fsdp_chunk(N_T, W, q) inside the tensor.
   pieces_.assign(expected.size(), std::vector<gather_piece>(world_));
   sources_.assign(expected.size(), nullptr);
   for (std::size_t i = 0; i < expected.size(); ++i) {

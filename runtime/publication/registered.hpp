@@ -62,13 +62,14 @@ public:
   registered_weights(const model::model_config& cfg, std::uint32_t world, std::uint32_t rank,
                      device::spec rank_device);
 
-  // Records one tensor; throws model_error naming it when it is registered twice, has a null
-  // pointer, a bad row range or a size that does not match its rows, or lives on another
-  // device than this rank. Not after seal().
+  // Records one tensor; throws model_error naming it when it is not part of the model (an
+  // extra tensor), has another dtype or global shape than the model's, is registered twice,
+  // holds rows other than this rank's (FSDP2 chunk or all), has a size that does not match
+  // its rows or a null pointer, or lives on another device than this rank. Not after seal().
   void add(tensor_registration t);
   // Checks the set against the model's key stream and builds the canonical map; throws
-  // model_error naming the first extra, mis-typed or mis-shaped tensor (in registration
-  // order), then the first missing one (in canonical order). Idempotent once it succeeded.
+  // model_error naming the first canonical tensor registered twice (directly and through a
+  // fused parameter) or missing (in canonical order). Idempotent once it succeeded.
   void seal();
   bool sealed() const { return sealed_; }
 
@@ -103,6 +104,8 @@ private:
   bool sealed_ = false;
   std::vector<tensor_registration> tensors_;
   std::unordered_map<std::string, std::size_t> by_name_;
+  std::vector<model::param_meta> expected_;                 // the model's key stream
+  std::unordered_map<std::string, std::size_t> canonical_; // its names
   std::vector<model::param_meta> params_;
   std::vector<std::vector<gather_piece>> pieces_; // canonical -> per rank
   std::vector<const std::byte*> sources_;         // canonical -> this rank's piece in memory
