@@ -1,6 +1,7 @@
 #include "actors/rank_registry.hpp"
 
 #include <algorithm>
+#include <optional>
 
 #include <caf/actor_cast.hpp>
 #include <caf/node_id.hpp>
@@ -37,6 +38,34 @@ caf::error refuse(self_ptr self, errc code, const std::string& where, const std:
   ++st.refusals;
   st.log("refused " + where + " from " + sender_of(self) + ": " + log_what);
   return make_refit_error(code, where, what);
+}
+
+// A trainer's generate / sleep / wake: the shared secret, and no collective publish open (at
+// its barrier the registry is about to sleep and wake the runtime itself).
+std::optional<caf::error> refuse_rollout(self_ptr self, const std::string& token,
+                                         const std::string& what) {
+  auto& st = self->state;
+  if (!same_secret(token, st.opts.token))
+    return refuse(self, errc::unauthorized, what + ".token",
+                  "wrong or missing shared secret (serve.token / serve.token_env)",
+                  what + ": wrong token");
+  if (st.run)
+    return refuse(self, errc::update_open, what,
+                  "a publication of version " + std::to_string(st.run->version) + " is open ("
+                    + (st.run->running ? "running" : "waiting for every rank at the barrier")
+                    + "): " + what + " once it finished",
+                  what + " during the publication of version " + std::to_string(st.run->version));
+  return std::nullopt;
+}
+
+// Forwards a rollout request to the engine and relays its answer (or its typed error).
+template <class T, class... Ts>
+caf::result<T> forward_rollout(self_ptr self, std::uint32_t timeout_ms, Ts&&... xs) {
+  auto rp = self->make_response_promise<T>();
+  self->request(self->state.engine, std::chrono::milliseconds(timeout_ms), std::forward<Ts>(xs)...)
+    .then([rp](T& x) mutable { rp.deliver(std::move(x)); },
+          [rp](caf::error& e) mutable { rp.deliver(std::move(e)); });
+  return rp;
 }
 
 std::string ranks_text(const std::vector<std::uint32_t>& ranks) {
@@ -563,6 +592,24 @@ rank_registry_impl::behavior_type rank_registry(self_ptr self, rank_registry_opt
               },
               [with_engine](caf::error&) mutable { with_engine(); });
       return rp;
+    },
+    [=](generate_atom, rollout_generate& req) -> caf::result<generate_result> {
+      if (auto refusal = refuse_rollout(self, req.token, "generate"))
+        return *refusal;
+      return forward_rollout<generate_result>(self, self->state.opts.generate_timeout_ms,
+                                              generate_atom::value, std::move(req.request));
+    },
+    [=](sleep_atom, const rollout_sleep& req) -> caf::result<engine_status> {
+      if (auto refusal = refuse_rollout(self, req.token, "sleep"))
+        return *refusal;
+      return forward_rollout<engine_status>(self, self->state.opts.sleep_wake_timeout_ms,
+                                            sleep_atom::value, req.level);
+    },
+    [=](wake_atom, const rollout_wake& req) -> caf::result<engine_status> {
+      if (auto refusal = refuse_rollout(self, req.token, "wake"))
+        return *refusal;
+      return forward_rollout<engine_status>(self, self->state.opts.sleep_wake_timeout_ms,
+                                            wake_atom::value, req.tags);
     },
     [=](deadline_atom, std::uint64_t seq) {
       auto& st = self->state;

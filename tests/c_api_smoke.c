@@ -143,6 +143,50 @@ int refit_c_api_smoke(const char* recipe, char* err, size_t err_size) {
         "checksum 2: %s", st.text);
   CHECK(strcmp(digest, first_digest) != 0, "the embedding digest did not change (%s)", digest);
 
+  /* Generation through the coordinator, stamped with the committed version. */
+  {
+    int32_t prompt[3] = {72, 105, 33};
+    uint64_t lengths[1] = {3}, samples = 0, version = 0;
+    int32_t toks[8];
+    float lps[8];
+    refit_sample_info info;
+    refit_sampling_params sp;
+    refit_rollout_status rs;
+    memset(&sp, 0, sizeof(sp));
+    sp.n = 2;
+    sp.max_tokens = 5;
+    sp.temperature = 0.7f;
+    sp.top_p = 1.0f;
+    sp.seed = 3;
+    CHECK(refit_host_generate(h, prompt, lengths, 1, &sp, &samples, &version, &st) == 0,
+          "generate: %s", st.text);
+    CHECK(samples == 2 && version == 2, "%llu samples of version %llu",
+          (unsigned long long)samples, (unsigned long long)version);
+    CHECK(refit_host_sample(h, 1, &info, toks, lps, 8, NULL, 0, &st) == 0, "sample: %s", st.text);
+    CHECK(info.token_count >= 1 && info.token_count <= 5 && info.model_version == 2
+            && info.prompt_token_count == 3 && lps[0] <= 0.0f,
+          "sample 1: %llu tokens, version %llu, logprob %f", (unsigned long long)info.token_count,
+          (unsigned long long)info.model_version, (double)lps[0]);
+    CHECK(refit_host_sample(h, 2, &info, toks, lps, 8, NULL, 0, &st) == -1, "sample 2 exists");
+    sp.n = 0;
+    CHECK(refit_host_generate(h, prompt, lengths, 1, &sp, &samples, &version, &st) == -1
+            && strcmp(st.code, "invalid_argument") == 0,
+          "n = 0: %s", st.text);
+    CHECK(refit_host_status(h, &rs, &st) == 0 && rs.committed_version == 2 && rs.publishing == 0
+            && strcmp(rs.connection, "IDLE") == 0,
+          "status: %s (version %llu, %s)", st.text, (unsigned long long)rs.committed_version,
+          rs.connection);
+    CHECK(refit_host_sleep(h, 1, &rs, &st) == 0 && rs.sleep_level == 1, "sleep: %s", st.text);
+    sp.n = 1;
+    CHECK(refit_host_generate(h, prompt, lengths, 1, &sp, &samples, &version, &st) == -1
+            && strcmp(st.code, "asleep") == 0,
+          "generate asleep: %s", st.text);
+    CHECK(refit_host_wake(h, 1, 1, &rs, &st) == 0 && rs.weights_awake && rs.kv_cache_awake,
+          "wake: %s", st.text);
+    CHECK(refit_host_generate(h, prompt, lengths, 1, &sp, &samples, &version, &st) == 0,
+          "generate after wake: %s", st.text);
+  }
+
   /* A tensor whose memory moved is refused by name. */
   CHECK(refit_host_check_tensor(h, ts[2].name, ts[2].data, ts[2].bytes, &st) == 0,
         "check unchanged: %s", st.text);

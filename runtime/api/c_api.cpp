@@ -6,12 +6,14 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "refit/host.hpp"
 
 struct refit_host {
   std::unique_ptr<refit::api::host> h;
   std::optional<refit::api::publication> last;
+  std::optional<refit::api::generation> generated;
 };
 
 namespace {
@@ -304,6 +306,134 @@ int refit_host_receipt_checksum(refit_host* host, uint32_t tp_rank, uint64_t ind
     copy_text(name, name_size, c.name);
     copy_text(digest, digest_size, c.digest);
     return set_ok(st);
+  });
+}
+
+namespace {
+
+int rollout_out(refit_status* st, const refit::api::result<refit::api::rollout_status>& r,
+                refit_rollout_status* out) {
+  if (!r)
+    return set_error(st, r.failure());
+  if (out) {
+    std::memset(out, 0, sizeof(*out));
+    out->committed_version = r->committed_version;
+    copy_field(out->connection, r->connection);
+    out->needs_publication = r->needs_publication ? 1 : 0;
+    out->sleep_level = r->sleep_level;
+    out->weights_awake = r->weights_awake ? 1 : 0;
+    out->kv_cache_awake = r->kv_cache_awake ? 1 : 0;
+    out->publishing = r->publishing ? 1 : 0;
+    out->epoch = r->epoch;
+    out->complete = r->complete ? 1 : 0;
+    copy_field(out->last_error, r->last_error);
+  }
+  return set_ok(st);
+}
+
+} // namespace
+
+int refit_host_generate(refit_host* host, const int32_t* tokens, const uint64_t* prompt_lengths,
+                        uint64_t prompt_count, const refit_sampling_params* params,
+                        uint64_t* sample_count, uint64_t* model_version, refit_status* st) {
+  return guarded(st, [&] {
+    if (!need_host(host, st))
+      return -1;
+    if (params == nullptr || (prompt_count > 0 && prompt_lengths == nullptr))
+      return set_error(st, "invalid_argument", "generate", "NULL params or prompt_lengths");
+    std::vector<std::vector<std::int32_t>> prompts;
+    std::uint64_t at = 0;
+    for (std::uint64_t i = 0; i < prompt_count; ++i) {
+      if (prompt_lengths[i] > 0 && tokens == nullptr)
+        return set_error(st, "invalid_argument", "generate.tokens", "NULL with non-empty prompts");
+      prompts.emplace_back(tokens + at, tokens + at + prompt_lengths[i]);
+      at += prompt_lengths[i];
+    }
+    refit::api::sampling_params p;
+    p.n = params->n;
+    p.max_tokens = params->max_tokens;
+    p.temperature = params->temperature;
+    p.top_k = params->top_k;
+    p.top_p = params->top_p;
+    p.seed = params->seed;
+    if (params->stop_count > 0) {
+      if (params->stop_token_ids == nullptr)
+        return set_error(st, "invalid_argument", "generate.params.stop_token_ids",
+                         "NULL with stop_count > 0");
+      p.stop_token_ids.assign(params->stop_token_ids, params->stop_token_ids + params->stop_count);
+    }
+    p.max_prompt_length = params->max_prompt_length;
+    auto r = host->h->generate(prompts, p);
+    host->generated.reset();
+    if (!r)
+      return set_error(st, r.failure());
+    host->generated = std::move(r.value());
+    if (sample_count)
+      *sample_count = host->generated->samples.size();
+    if (model_version)
+      *model_version = host->generated->model_version;
+    return set_ok(st);
+  });
+}
+
+int refit_host_sample(refit_host* host, uint64_t index, refit_sample_info* info,
+                      int32_t* token_ids, float* logprobs, uint64_t capacity,
+                      int32_t* prompt_token_ids, uint64_t prompt_capacity, refit_status* st) {
+  return guarded(st, [&] {
+    if (!need_host(host, st))
+      return -1;
+    if (!host->generated)
+      return set_error(st, "invalid_state", "sample", "no generation result");
+    const auto& all = host->generated->samples;
+    if (index >= all.size())
+      return set_error(st, "invalid_argument", "index",
+                       std::to_string(index) + " is out of range (" + std::to_string(all.size())
+                         + " samples)");
+    const auto& smp = all[index];
+    if (info) {
+      std::memset(info, 0, sizeof(*info));
+      info->prompt_index = smp.prompt_index;
+      info->token_count = smp.token_ids.size();
+      info->prompt_token_count = smp.prompt_token_ids.size();
+      copy_field(info->finish_reason, smp.finish_reason);
+      info->prompt_truncated = smp.prompt_truncated ? 1 : 0;
+      info->model_version = smp.model_version;
+    }
+    for (std::uint64_t i = 0; i < smp.token_ids.size() && i < capacity; ++i) {
+      if (token_ids)
+        token_ids[i] = smp.token_ids[i];
+      if (logprobs && i < smp.logprobs.size())
+        logprobs[i] = smp.logprobs[i];
+    }
+    for (std::uint64_t i = 0; prompt_token_ids && i < smp.prompt_token_ids.size() && i < prompt_capacity; ++i)
+      prompt_token_ids[i] = smp.prompt_token_ids[i];
+    return set_ok(st);
+  });
+}
+
+int refit_host_sleep(refit_host* host, uint32_t level, refit_rollout_status* out,
+                     refit_status* st) {
+  return guarded(st, [&] {
+    if (!need_host(host, st))
+      return -1;
+    return rollout_out(st, host->h->sleep(level), out);
+  });
+}
+
+int refit_host_wake(refit_host* host, int weights, int kv_cache, refit_rollout_status* out,
+                    refit_status* st) {
+  return guarded(st, [&] {
+    if (!need_host(host, st))
+      return -1;
+    return rollout_out(st, host->h->wake(weights != 0, kv_cache != 0), out);
+  });
+}
+
+int refit_host_status(refit_host* host, refit_rollout_status* out, refit_status* st) {
+  return guarded(st, [&] {
+    if (!need_host(host, st))
+      return -1;
+    return rollout_out(st, host->h->status(), out);
   });
 }
 

@@ -126,6 +126,47 @@ struct publication {
   std::vector<receipt> receipts;
 };
 
+// Sampling parameters of a generate (see docs/architecture.md §7).
+struct sampling_params {
+  std::uint32_t n = 1;             // samples per prompt
+  std::uint32_t max_tokens = 16;
+  float temperature = 1.0f;        // 0 = greedy
+  std::int32_t top_k = 0;          // 0 = off
+  float top_p = 1.0f;
+  std::uint64_t seed = 0;
+  std::vector<std::int32_t> stop_token_ids;
+  std::uint32_t max_prompt_length = 0; // 0 = no truncation; else keep the last tokens
+};
+
+struct sample {
+  std::uint32_t prompt_index = 0;
+  std::vector<std::int32_t> prompt_token_ids; // after truncation
+  std::vector<std::int32_t> token_ids;
+  std::vector<float> logprobs;                 // of each sampled token (processed distribution)
+  std::string finish_reason;                   // "stop" or "length"
+  bool prompt_truncated = false;
+  std::uint64_t model_version = 0;             // the committed version that produced it
+};
+
+struct generation {
+  std::vector<sample> samples;
+  std::uint64_t model_version = 0;
+};
+
+// The rollout side as the coordinator sees it.
+struct rollout_status {
+  std::uint64_t committed_version = 0;
+  std::string connection;          // "IDLE", "INFLIGHT", "BROKEN", "DETACHED"
+  bool needs_publication = false;
+  std::uint32_t sleep_level = 0;
+  bool weights_awake = false;
+  bool kv_cache_awake = false;
+  bool publishing = false;         // a collective publish is open (barrier or running)
+  std::uint64_t epoch = 0;
+  bool complete = false;           // every rank joined
+  std::string last_error;
+};
+
 class REFIT_API host {
 public:
   // Loads and validates the recipe (every key typed and checked); nothing is started yet.
@@ -164,6 +205,16 @@ public:
   result<std::uint64_t> step();
   // This rank's share of the collective publish of `model_version` (see above).
   result<publication> publish(std::uint64_t model_version);
+  // Generation through the coordinator (after connect): every prompt as token ids (the tiny
+  // recipes' byte tokenizer: the UTF-8 bytes of a text). Refused with "update_open" while a
+  // collective publish is open (barrier or running), "asleep" while the runtime sleeps,
+  // "needs_publication" while its weights are invalid (after sleep level 2 or a restart).
+  result<generation> generate(const std::vector<std::vector<std::int32_t>>& prompts,
+                              const sampling_params& params);
+  // Sleep level 1 or 2 / wake (weights, KV cache) of the runtime; refused like generate.
+  result<rollout_status> sleep(std::uint32_t level);
+  result<rollout_status> wake(bool weights, bool kv_cache);
+  result<rollout_status> status();
   // Disconnects and stops everything this host started (the destructor does it too).
   void close();
 

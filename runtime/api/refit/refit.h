@@ -86,6 +86,40 @@ typedef struct refit_publication {
   uint32_t receipts;          /* TP workers that reported; checksums: refit_host_receipt_checksum */
 } refit_publication;
 
+typedef struct refit_sampling_params {
+  uint32_t n;                    /* samples per prompt (>= 1) */
+  uint32_t max_tokens;           /* >= 1 */
+  float temperature;             /* 0 = greedy */
+  int32_t top_k;                 /* 0 = off */
+  float top_p;                   /* (0, 1] */
+  uint64_t seed;
+  const int32_t* stop_token_ids; /* may be NULL when stop_count is 0 */
+  uint32_t stop_count;
+  uint32_t max_prompt_length;    /* 0 = no truncation */
+} refit_sampling_params;
+
+typedef struct refit_sample_info {
+  uint32_t prompt_index;
+  uint64_t token_count;          /* generated tokens (= log-probabilities) */
+  uint64_t prompt_token_count;   /* after truncation */
+  char finish_reason[16];        /* "stop" or "length" */
+  int prompt_truncated;
+  uint64_t model_version;        /* the committed version that produced it */
+} refit_sample_info;
+
+typedef struct refit_rollout_status {
+  uint64_t committed_version;
+  char connection[16];           /* "IDLE", "INFLIGHT", "BROKEN", "DETACHED" */
+  int needs_publication;
+  uint32_t sleep_level;
+  int weights_awake;
+  int kv_cache_awake;
+  int publishing;                /* a collective publish is open */
+  uint64_t epoch;
+  int complete;                  /* every rank joined */
+  char last_error[2048];
+} refit_rollout_status;
+
 REFIT_C_API const char* refit_version(void);
 REFIT_C_API uint32_t refit_wire_protocol_version(void);
 
@@ -124,6 +158,27 @@ REFIT_C_API int refit_host_receipt_checksum_count(refit_host* host, uint32_t tp_
 REFIT_C_API int refit_host_receipt_checksum(refit_host* host, uint32_t tp_rank, uint64_t index,
                                             char* name, size_t name_size, char* digest,
                                             size_t digest_size, refit_status* status);
+
+/* Generation through the coordinator: `prompt_count` prompts of token ids, concatenated in
+ * `tokens`, prompt i of `prompt_lengths[i]` tokens. The samples stay in the host until the next
+ * generate: read them with refit_host_sample. Refused with "update_open" while a collective
+ * publish is open. */
+REFIT_C_API int refit_host_generate(refit_host* host, const int32_t* tokens,
+                                    const uint64_t* prompt_lengths, uint64_t prompt_count,
+                                    const refit_sampling_params* params, uint64_t* sample_count,
+                                    uint64_t* model_version, refit_status* status);
+/* Sample i of the last generate; token_ids / logprobs take up to `capacity` entries and
+ * prompt_token_ids up to `prompt_capacity` (each may be NULL). */
+REFIT_C_API int refit_host_sample(refit_host* host, uint64_t index, refit_sample_info* info,
+                                  int32_t* token_ids, float* logprobs, uint64_t capacity,
+                                  int32_t* prompt_token_ids, uint64_t prompt_capacity,
+                                  refit_status* status);
+REFIT_C_API int refit_host_sleep(refit_host* host, uint32_t level, refit_rollout_status* out,
+                                 refit_status* status);
+REFIT_C_API int refit_host_wake(refit_host* host, int weights, int kv_cache,
+                                refit_rollout_status* out, refit_status* status);
+REFIT_C_API int refit_host_status(refit_host* host, refit_rollout_status* out,
+                                  refit_status* status);
 
 REFIT_C_API uint32_t refit_host_rank(const refit_host* host);
 REFIT_C_API uint32_t refit_host_world(const refit_host* host);
