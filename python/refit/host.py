@@ -313,6 +313,9 @@ class Host:
         """This rank's share of the collective publish; returns the committed Publication or
         raises the typed error every rank got (RankLost, PublicationFailed, ...)."""
         self.check_tensors()
+        if any(reg.local().device.type == "cuda" for reg in self._tensors.values()):
+            import torch
+            torch.cuda.synchronize()  # the trainer's kernels wrote the memory refit reads
         p = _lib.Publication()
         _call(self._lib.refit_host_publish, self._handle(), model_version, ctypes.byref(p))
         receipts = []

@@ -220,9 +220,19 @@ error host::register_rank(rank_spec spec) {
                                                 : p.cfg.trainer.devices[spec.rank];
   try {
     auto d = device::parse(spec.device, "rank.device");
+#if REFIT_HAVE_CUDA
+    // One GPU per trainer process; the cross-process NCCL communicator (world > 1 on GPUs)
+    // is not built yet.
+    if (d.k == device::kind::cuda && spec.world != 1)
+      return api_error("invalid_argument", "rank.device",
+                       "'" + spec.device + "': trainer ranks on GPUs publish with world 1 only "
+                       "(the NCCL communicator across trainer processes is not built yet)");
+#else
     if (d.k != device::kind::cpu)
       return api_error("invalid_argument", "rank.device",
-                       "'" + spec.device + "': this build publishes from CPU devices only");
+                       "'" + spec.device + "': this build publishes from CPU devices only "
+                       "(CUDA devices need a build with REFIT_CUDA=ON)");
+#endif
   } catch (const std::invalid_argument& e) {
     return api_error("invalid_argument", "rank.device", e.what());
   }
@@ -433,6 +443,16 @@ error host::impl::connect_steps() {
       ro.faults.push_back(f);
   ro.device_uuid = refit::publication::device_uuid(device::parse(rank->device, "rank.device"));
   ro.collectives = group; // every publication's collective: a shm_collective over the members
+  if (device::parse(rank->device, "rank.device").k == device::kind::cuda) {
+    // World 1 on a GPU: the NCCL registry of this one device (the gather is a device copy
+    // from the registered memory into the CUDA IPC packed buffer).
+    try {
+      ro.collectives = refit::publication::make_collective_registry(
+        {device::parse(rank->device, "rank.device")});
+    } catch (const std::exception& e) {
+      return api_error("spawn_failed", "collective", e.what());
+    }
+  }
   ro.gate = gate;
   ro.collective_timeout_ms = cfg.publication.gate_deadline_ms * 9 / 10;
   rank_actor = sys->spawn(trainer_rank, std::move(ro));

@@ -7,6 +7,10 @@
 
 #include "runtime/model/digest.hpp"
 
+#if REFIT_HAVE_CUDA
+#include "runtime/cuda/cuda.hpp"
+#endif
+
 namespace refit::publication {
 
 namespace {
@@ -239,6 +243,8 @@ gather_item registered_weights::item(std::size_t i, std::byte* out) const {
   it.shard = sources_[i];
   it.shard_bytes = it.pieces[rank_].bytes;
   it.out = out;
+  if (world_ == 1)
+    it.pieces.clear(); // one rank: the uniform layout (what the NCCL all-gather takes)
   return it;
 }
 
@@ -253,9 +259,12 @@ std::vector<std::uint64_t> registered_weights::partial_digests(
   const model::tp_layout& layout, const std::vector<std::size_t>& indices) const {
   if (!sealed_)
     throw std::logic_error("registered weights used before seal()");
+#if !REFIT_HAVE_CUDA
   if (device_.k != device::kind::cpu)
     throw std::invalid_argument(device::to_string(device_)
-                                + ": digests of registered device memory are not built yet");
+                                + ": registered device memory needs a build with REFIT_CUDA=ON");
+#endif
+  std::vector<std::byte> staged; // device memory: the piece copied to the host first
   const std::size_t residents = layout.residents().size();
   std::vector<std::uint64_t> out(std::size_t{layout.tp()} * residents, 0);
   for (const auto i : indices) {
@@ -264,6 +273,13 @@ std::vector<std::uint64_t> registered_weights::partial_digests(
     if (mine.bytes == 0)
       continue;
     const std::byte* src = sources_[i];
+#if REFIT_HAVE_CUDA
+    if (device_.k == device::kind::cuda) {
+      staged.resize(mine.bytes);
+      cuda::copy_to_host(device_.index, staged.data(), src, mine.bytes);
+      src = staged.data();
+    }
+#endif
     const std::uint64_t es = model::dtype_size(p.dt);
     for (std::uint32_t t = 0; t < layout.tp(); ++t) {
       for (const auto& pl : layout.place(p, t)) {
