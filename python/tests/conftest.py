@@ -44,7 +44,8 @@ def recipe(tmp_path):
     runtime = need_env("REFIT_RUNTIME")
     count = [0]
 
-    def make(world, tp=None, embedded=False, port=0, trainer_faults="", gate_deadline_ms=30000):
+    def make(world, tp=None, embedded=False, port=0, trainer_faults="", gate_deadline_ms=30000,
+             join_timeout_ms=20000):
         tp = tp or world
         count[0] += 1
         path = tmp_path / ("recipe-%d.yaml" % count[0])
@@ -61,8 +62,8 @@ def recipe(tmp_path):
             % gate_deadline_ms
             + "job: {seed: 1234}\n"
             + "serve: {host: 127.0.0.1, port: %d, token_env: REFIT_PY_TOKEN, world_size: %d, "
-              "embedded: %s, publish_barrier_ms: 60000, join_timeout_ms: 20000}\n"
-            % (port, world, "true" if embedded else "false"))
+              "embedded: %s, publish_barrier_ms: 60000, join_timeout_ms: %d}\n"
+            % (port, world, "true" if embedded else "false", join_timeout_ms))
         return str(path)
 
     return make

@@ -1,6 +1,7 @@
 """Real training published through refit: plain-torch Qwen3-MoE, real AdamW steps, every step
 published (the coordinator verifies every resident byte against the trainer's memory), the
 runtime's samples scored again by the trainer's own forward (log-probability parity)."""
+import os
 import signal
 import time
 
@@ -122,3 +123,16 @@ def test_killed_trainer_gives_rank_lost_and_the_next_publish_commits(recipe, coo
         assert ev["event"] == "published" and ev["version"] == 1, (ev, t.stderr())
         assert ev["parity"] < PARITY
     assert c.proc.poll() is None, "the coordinator survived"
+    runtimes = [pid for pid in os.listdir("/proc") if pid.isdigit() and _parent_and_name(pid)
+                == (c.proc.pid, "refit-runtime")]
+    assert len(runtimes) == 1, "one runtime (the restarted one), no orphan"
+
+
+def _parent_and_name(pid):
+    try:
+        with open("/proc/%s/stat" % pid) as f:
+            fields = f.read().rsplit(")", 1)
+        name = fields[0].split("(", 1)[1]
+        return int(fields[1].split()[1]), name
+    except (OSError, IndexError, ValueError):
+        return None
