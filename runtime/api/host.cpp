@@ -3,24 +3,14 @@
 // worker thread, the cross-process all-gather over this process's shm endpoint) and its
 // TrainerHost; with serve.embedded, rank 0 also runs the coordinator services. Every blocking
 // call here runs on the caller's thread, through requests with finite timeouts.
-#include "refit/host.hpp"
+#include "host_impl.hpp"
 
 #include <unistd.h>
 
 #include <cstdio>
 #include <iostream>
-#include <optional>
 #include <thread>
 
-#include <caf/actor_system.hpp>
-#include <caf/actor_system_config.hpp>
-#include <caf/scoped_actor.hpp>
-#include <caf/send.hpp>
-#include <caf/stateful_actor.hpp>
-#include <caf/typed_event_based_actor.hpp>
-
-#include "actors/trainer_host.hpp"
-#include "actors/trainer_rank.hpp"
 #include "runtime/system/bootstrap.hpp"
 #include "runtime/device/device.hpp"
 #include "runtime/model/qwen3_moe.hpp"
@@ -29,9 +19,6 @@
 #include "runtime/control/process.hpp"
 #include "runtime/control/protocol_version.hpp"
 #include "runtime/publication/backend.hpp"
-#include "runtime/publication/registered.hpp"
-#include "runtime/publication/shm_collective.hpp"
-#include "runtime/system/serve.hpp"
 
 #ifndef REFIT_LIBRARY_VERSION
 #define REFIT_LIBRARY_VERSION "unknown"
@@ -46,8 +33,6 @@ const char* library_version() {
 std::uint32_t wire_protocol_version() {
   return wire::serve_protocol_version;
 }
-
-namespace {
 
 error api_error(const std::string& code, const std::string& where, const std::string& message) {
   error e;
@@ -75,6 +60,8 @@ error from_caf(const caf::error& err) {
   e.text = "caf: " + e.message;
   return e;
 }
+
+namespace {
 
 error from_config(const config::config_error& e) {
   return api_error("invalid_argument", e.key, e.what());
@@ -113,51 +100,6 @@ std::string hostname() {
 }
 
 } // namespace
-
-struct host::impl {
-  host_options options;
-  config::refit_config cfg;
-  std::optional<rank_spec> rank;
-  std::optional<synthetic_weights> weights;
-  // The trainer's own tensors (register_tensor); sealed by connect().
-  std::shared_ptr<refit::publication::registered_weights> registered;
-  std::vector<tensor_spec> tensors;
-  std::string address; // host:port of the coordinator
-  std::string token;   // the shared secret (resolved by connect)
-
-  std::unique_ptr<caf::actor_system_config> sys_cfg;
-  std::unique_ptr<caf::actor_system> sys;
-  std::optional<serve::coordinator_services> embedded;
-  rank_registry_actor registry;
-  trainer_rank_actor rank_actor;
-  trainer_host_actor host_actor;
-  std::shared_ptr<refit::publication::shm_group> group;
-  bool connected = false;
-
-  // Stops everything connect() started, in order: the collective is woken, the actors quit,
-  // the embedded coordinator shuts its runtime down, the actor system (and its middleman) goes.
-  void stop() {
-    if (group)
-      group->abort_all("this trainer process is leaving");
-    if (host_actor)
-      caf::anon_send_exit(host_actor, caf::exit_reason::user_shutdown);
-    if (rank_actor)
-      caf::anon_send_exit(rank_actor, caf::exit_reason::user_shutdown);
-    if (embedded && sys)
-      serve::stop_coordinator(*sys, *embedded);
-    host_actor = nullptr;
-    rank_actor = nullptr;
-    registry = nullptr;
-    embedded.reset();
-    sys.reset();
-    sys_cfg.reset();
-    group.reset();
-    connected = false;
-  }
-
-  error connect();
-  error connect_steps(); // connect() without the cleanup on failure
-};
 
 result<std::unique_ptr<host>> host::create(host_options options) {
   auto p = std::make_unique<impl>();
@@ -300,6 +242,8 @@ std::string pointer_text(const void* ptr) {
   return buf;
 }
 
+} // namespace
+
 error moved_error(const tensor_spec& t, const void* data, std::uint64_t bytes) {
   return api_error("invalid_argument", t.name,
                    "the tensor's memory changed since registration (pointer "
@@ -308,8 +252,6 @@ error moved_error(const tensor_spec& t, const void* data, std::uint64_t bytes) {
                      + " bytes): registered memory must stay at the same address and size; "
                        "nothing was published");
 }
-
-} // namespace
 
 error host::check_tensor(const std::string& name, const void* data, std::uint64_t bytes) const {
   for (const auto& t : impl_->tensors)
@@ -537,125 +479,6 @@ result<publication> host::publish(std::uint64_t model_version) {
                 publish_atom::value, model_version)
     .receive([&](publication_result& r) { out = convert(r); },
              [&](caf::error& e) { err = std::move(e); });
-  if (!out)
-    return from_caf(err);
-  return *out;
-}
-
-namespace {
-
-rollout_status convert(const engine_status& e) {
-  rollout_status s;
-  s.committed_version = e.committed_version;
-  s.connection = to_string(e.conn());
-  s.needs_publication = e.needs_publication;
-  s.sleep_level = e.sleep_level;
-  s.weights_awake = e.weights_awake;
-  s.kv_cache_awake = e.kv_cache_awake;
-  s.last_error = e.last_error;
-  return s;
-}
-
-} // namespace
-
-result<generation> host::generate(const std::vector<std::vector<std::int32_t>>& prompts,
-                                  const sampling_params& params) {
-  auto& p = *impl_;
-  if (!p.connected)
-    return api_error("invalid_state", "generate", "connect first");
-  rollout_generate req;
-  req.token = p.token;
-  req.rank = p.rank->rank;
-  req.request.prompts = prompts;
-  auto& q = req.request.params;
-  q.n = params.n;
-  q.max_tokens = params.max_tokens;
-  q.temperature = params.temperature;
-  q.top_k = params.top_k;
-  q.top_p = params.top_p;
-  q.seed = params.seed;
-  q.stop_token_ids = params.stop_token_ids;
-  q.max_prompt_length = params.max_prompt_length;
-  caf::scoped_actor self{*p.sys};
-  std::optional<generation> out;
-  caf::error err;
-  self->request(p.registry, std::chrono::milliseconds(p.cfg.runtime.timeouts_ms.generate + 20000),
-                generate_atom::value, std::move(req))
-    .receive(
-      [&](generate_result& r) {
-        generation g;
-        g.model_version = r.model_version;
-        for (auto& s : r.samples)
-          g.samples.push_back({s.prompt_index, std::move(s.prompt_token_ids),
-                               std::move(s.token_ids), std::move(s.logprobs),
-                               std::move(s.finish_reason), s.prompt_truncated, s.model_version});
-        out = std::move(g);
-      },
-      [&](caf::error& e) { err = std::move(e); });
-  if (!out)
-    return from_caf(err);
-  return *out;
-}
-
-namespace {
-
-template <class Msg>
-result<rollout_status> sleep_or_wake(host::impl& p, const char* what, Msg msg) {
-  if (!p.connected)
-    return api_error("invalid_state", what, "connect first");
-  caf::scoped_actor self{*p.sys};
-  std::optional<rollout_status> out;
-  caf::error err;
-  const auto timeout = std::chrono::milliseconds(
-    std::max(p.cfg.runtime.timeouts_ms.sleep, p.cfg.runtime.timeouts_ms.wake_up) + 20000);
-  using atom = std::conditional_t<std::is_same_v<Msg, rollout_sleep>, sleep_atom, wake_atom>;
-  self->request(p.registry, timeout, atom::value, std::move(msg))
-    .receive([&](engine_status& e) { out = convert(e); },
-             [&](caf::error& e) { err = std::move(e); });
-  if (!out)
-    return from_caf(err);
-  return *out;
-}
-
-} // namespace
-
-result<rollout_status> host::sleep(std::uint32_t level) {
-  rollout_sleep m;
-  m.token = impl_->token;
-  m.rank = impl_->rank ? impl_->rank->rank : 0;
-  m.level = level;
-  return sleep_or_wake(*impl_, "sleep", std::move(m));
-}
-
-result<rollout_status> host::wake(bool weights, bool kv_cache) {
-  rollout_wake m;
-  m.token = impl_->token;
-  m.rank = impl_->rank ? impl_->rank->rank : 0;
-  m.tags.weights = weights;
-  m.tags.kv_cache = kv_cache;
-  return sleep_or_wake(*impl_, "wake", std::move(m));
-}
-
-result<rollout_status> host::status() {
-  auto& p = *impl_;
-  if (!p.connected)
-    return api_error("invalid_state", "status", "connect first");
-  caf::scoped_actor self{*p.sys};
-  std::optional<rollout_status> out;
-  caf::error err;
-  self->request(p.registry, std::chrono::seconds(30), status_atom::value, p.token)
-    .receive(
-      [&](registry_status& r) {
-        auto s = convert(r.engine);
-        s.committed_version = r.committed_version;
-        s.publishing = r.publishing || r.barrier_version != 0;
-        s.epoch = r.epoch;
-        s.complete = r.complete;
-        if (s.last_error.empty())
-          s.last_error = r.last_error;
-        out = std::move(s);
-      },
-      [&](caf::error& e) { err = std::move(e); });
   if (!out)
     return from_caf(err);
   return *out;
