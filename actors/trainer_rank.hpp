@@ -1,9 +1,13 @@
-// TrainerRank: one per trainer rank. Owns its FSDP dim-0 shard of every canonical tensor
-// (synthetic weights), and per publication: re-plans from its own model config (validation
-// point 1), materializes planned chunks in order through the collective into its packed
-// buffers (host memfds or GPU memory; up to buffer_count chunks held at once), checks every emitted tensor against the plan (point 2), records its
-// actual manifest (point 3) and checks the committed result (point 7). Blocking work runs on a
-// worker thread the actor owns; every phase outcome goes to the ConsensusGate.
+// TrainerRank: one per trainer rank. Its weight source is either its FSDP dim-0 shard of every
+// canonical tensor (synthetic weights) or the trainer's own registered memory
+// (publication::registered_weights: Shard(0) rows, replicated tensors, fused experts). Per
+// publication it re-plans from its own model config (validation point 1), materializes
+// planned chunks in order through the collective into its packed buffers (host memfds or GPU
+// memory; up to buffer_count chunks held at once), checks every emitted tensor against the
+// plan (point 2), records its actual manifest (point 3; with registered weights and verify,
+// also the verifier's digest terms of its memory) and checks the committed result (point 7).
+// Blocking work runs on a worker thread the actor owns; every phase outcome goes to the
+// ConsensusGate.
 #pragma once
 
 #include <cstdint>
