@@ -366,8 +366,9 @@ trainer_rank_impl::behavior_type trainer_rank(self_ptr self, trainer_rank_option
         return;
       }
       bool forge = find_fault(*st.session, "wrong_manifest") != nullptr;
-      st.worker->post([session = st.session, r, forge, post_back, model = st.opts.model,
-                       registered = st.opts.registered]() mutable {
+      bool forge_terms = find_fault(*st.session, "wrong_digest_terms") != nullptr;
+      st.worker->post([session = st.session, r, forge, forge_terms, post_back,
+                       model = st.opts.model, registered = st.opts.registered]() mutable {
         auto emitted = session->emitted;
         if (forge && !emitted.empty())
           emitted.pop_back();
@@ -382,6 +383,8 @@ trainer_rank_impl::behavior_type trainer_rank(self_ptr self, trainer_rank_option
             const std::vector<std::size_t> sent(session->stream.begin(),
                                                 session->stream.begin() + session->cursor);
             r.digest_terms = registered->partial_digests(layout, sent);
+            if (forge_terms && !r.digest_terms.empty())
+              r.digest_terms.front() += 1; // test-only: memory that changed after the gather
           } catch (const std::exception& e) {
             r = failed(r, std::string("digest terms: ") + e.what());
           }

@@ -23,8 +23,9 @@ protected:
   fsdp_layout layout;
   std::vector<std::unique_ptr<fsdp_rank_tensors>> memory;
 
-  void start_registered(std::uint32_t tp) {
+  void start_registered(std::uint32_t tp, const std::vector<config::trainer_fault>& faults = {}) {
     cfg = tiny_config(tp);
+    cfg.trainer.faults = faults;
     layout.replicated = {"model.norm.weight"};
     sys_cfg = std::make_unique<caf::actor_system_config>();
     configure(*sys_cfg);
@@ -54,6 +55,9 @@ protected:
       o.collectives = collectives;
       o.gate = gate;
       o.collective_timeout_ms = cfg.publication.gate_deadline_ms * 9 / 10;
+      for (const auto& f : faults)
+        if (f.rank == r)
+          o.faults.push_back(f);
       ranks.push_back(sys->spawn(trainer_rank, std::move(o)));
     }
     pub = spawn_coordinator(*sys, cfg, rollout.engine, gate, std::move(ranks), rollout.journal);
@@ -107,6 +111,33 @@ TEST_F(RegisteredPublication, ThePublishedBytesAreTheTrainersMemory) {
     for (std::size_t i = 0; i < expected[r].checksums.size(); ++i)
       differs |= res->receipts[r].checksums[i].digest != expected[r].checksums[i].digest;
   EXPECT_TRUE(differs) << "the flipped bit of rank 1's embedding rows reached the runtime";
+}
+
+TEST_F(RegisteredPublication, DigestTermsThatDisagreeWithTheRuntimeFailVerification) {
+  config::trainer_fault f;
+  f.rank = 1;
+  f.kind = "wrong_digest_terms";
+  start_registered(2, {f});
+  const auto old_pid = runtime_pid();
+  auto res = publish(1);
+  expect_poisoned(res, errc::verification_failed, "differ from the trainer's weights", old_pid);
+  // The fault was one-shot: the next publication verifies and commits on the fresh runtime.
+  auto again = publish(1);
+  ASSERT_TRUE(again) << render(again.error());
+  expect_receipts(*again, 0);
+}
+
+TEST(ExpectedFromTerms, TermsThatDoNotFitTheLayoutAreNamed) {
+  rank_report r;
+  r.rank = 1;
+  r.digest_terms = {1, 2, 3};
+  try {
+    expected_from_terms(tiny_config(2).model, 2, {r});
+    FAIL() << "accepted 3 terms";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 1 reported 3 digest terms"), std::string::npos)
+      << e.what();
+  }
 }
 
 } // namespace
