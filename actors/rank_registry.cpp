@@ -14,6 +14,11 @@ namespace refit {
 using self_ptr = rank_registry_impl::stateful_pointer<rank_registry_state>;
 using clock_type = std::chrono::steady_clock;
 
+// A trainer's generate / sleep / wake (rank_registry_rollout.cpp).
+caf::result<generate_result> registry_generate(self_ptr self, rollout_generate& req);
+caf::result<engine_status> registry_sleep(self_ptr self, const rollout_sleep& req);
+caf::result<engine_status> registry_wake(self_ptr self, const rollout_wake& req);
+
 namespace {
 
 constexpr auto poll_interval = std::chrono::milliseconds(20);
@@ -40,33 +45,19 @@ caf::error refuse(self_ptr self, errc code, const std::string& where, const std:
   return make_refit_error(code, where, what);
 }
 
-// A trainer's generate / sleep / wake: the shared secret, and no collective publish open (at
-// its barrier the registry is about to sleep and wake the runtime itself).
-std::optional<caf::error> refuse_rollout(self_ptr self, const std::string& token,
-                                         const std::string& what) {
-  auto& st = self->state;
-  if (!same_secret(token, st.opts.token))
-    return refuse(self, errc::unauthorized, what + ".token",
-                  "wrong or missing shared secret (serve.token / serve.token_env)",
-                  what + ": wrong token");
-  if (st.run)
-    return refuse(self, errc::update_open, what,
-                  "a publication of version " + std::to_string(st.run->version) + " is open ("
-                    + (st.run->running ? "running" : "waiting for every rank at the barrier")
-                    + "): " + what + " once it finished",
-                  what + " during the publication of version " + std::to_string(st.run->version));
-  return std::nullopt;
+} // namespace
+
+// For rank_registry_rollout.cpp.
+caf::error registry_refuse(self_ptr self, errc code, const std::string& where,
+                           const std::string& what, const std::string& log_what) {
+  return refuse(self, code, where, what, log_what);
 }
 
-// Forwards a rollout request to the engine and relays its answer (or its typed error).
-template <class T, class... Ts>
-caf::result<T> forward_rollout(self_ptr self, std::uint32_t timeout_ms, Ts&&... xs) {
-  auto rp = self->make_response_promise<T>();
-  self->request(self->state.engine, std::chrono::milliseconds(timeout_ms), std::forward<Ts>(xs)...)
-    .then([rp](T& x) mutable { rp.deliver(std::move(x)); },
-          [rp](caf::error& e) mutable { rp.deliver(std::move(e)); });
-  return rp;
+bool registry_same_secret(const std::string& given, const std::string& expected) {
+  return same_secret(given, expected);
 }
+
+namespace {
 
 std::string ranks_text(const std::vector<std::uint32_t>& ranks) {
   std::string out;
@@ -593,24 +584,9 @@ rank_registry_impl::behavior_type rank_registry(self_ptr self, rank_registry_opt
               [with_engine](caf::error&) mutable { with_engine(); });
       return rp;
     },
-    [=](generate_atom, rollout_generate& req) -> caf::result<generate_result> {
-      if (auto refusal = refuse_rollout(self, req.token, "generate"))
-        return *refusal;
-      return forward_rollout<generate_result>(self, self->state.opts.generate_timeout_ms,
-                                              generate_atom::value, std::move(req.request));
-    },
-    [=](sleep_atom, const rollout_sleep& req) -> caf::result<engine_status> {
-      if (auto refusal = refuse_rollout(self, req.token, "sleep"))
-        return *refusal;
-      return forward_rollout<engine_status>(self, self->state.opts.sleep_wake_timeout_ms,
-                                            sleep_atom::value, req.level);
-    },
-    [=](wake_atom, const rollout_wake& req) -> caf::result<engine_status> {
-      if (auto refusal = refuse_rollout(self, req.token, "wake"))
-        return *refusal;
-      return forward_rollout<engine_status>(self, self->state.opts.sleep_wake_timeout_ms,
-                                            wake_atom::value, req.tags);
-    },
+    [=](generate_atom, rollout_generate& req) { return registry_generate(self, req); },
+    [=](sleep_atom, const rollout_sleep& req) { return registry_sleep(self, req); },
+    [=](wake_atom, const rollout_wake& req) { return registry_wake(self, req); },
     [=](deadline_atom, std::uint64_t seq) {
       auto& st = self->state;
       if (!st.run || st.run->seq != seq || st.run->running)
