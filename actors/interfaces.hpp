@@ -118,6 +118,9 @@ using rank_registry_actor = caf::typed_actor<
   caf::replies_to<hello_atom, std::uint32_t, std::string>::with<welcome, consensus_gate_actor>,
   caf::replies_to<join_atom, join_request, trainer_rank_actor, trainer_host_actor>::with<join_ack>,
   caf::replies_to<publish_atom, publish_request>::with<publication_result>,
-  caf::replies_to<status_atom, std::string>::with<registry_status>>;
+  caf::replies_to<status_atom, std::string>::with<registry_status>,
+  caf::replies_to<generate_atom, rollout_generate>::with<generate_result>,
+  caf::replies_to<sleep_atom, rollout_sleep>::with<engine_status>,
+  caf::replies_to<wake_atom, rollout_wake>::with<engine_status>>;
 
 } // namespace refit

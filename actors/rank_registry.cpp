@@ -1,6 +1,7 @@
 #include "actors/rank_registry.hpp"
 
 #include <algorithm>
+#include <optional>
 
 #include <caf/actor_cast.hpp>
 #include <caf/node_id.hpp>
@@ -12,6 +13,11 @@ namespace refit {
 
 using self_ptr = rank_registry_impl::stateful_pointer<rank_registry_state>;
 using clock_type = std::chrono::steady_clock;
+
+// A trainer's generate / sleep / wake (rank_registry_rollout.cpp).
+caf::result<generate_result> registry_generate(self_ptr self, rollout_generate& req);
+caf::result<engine_status> registry_sleep(self_ptr self, const rollout_sleep& req);
+caf::result<engine_status> registry_wake(self_ptr self, const rollout_wake& req);
 
 namespace {
 
@@ -44,6 +50,20 @@ caf::error refuse(self_ptr self, errc code, const std::string& where, const std:
   st.log("refused " + where + " from " + sender_of(self) + ": " + log_what);
   return make_refit_error(code, where, what);
 }
+
+} // namespace
+
+// For rank_registry_rollout.cpp.
+caf::error registry_refuse(self_ptr self, errc code, const std::string& where,
+                           const std::string& what, const std::string& log_what) {
+  return refuse(self, code, where, what, log_what);
+}
+
+bool registry_same_secret(const std::string& given, const std::string& expected) {
+  return same_secret(given, expected);
+}
+
+namespace {
 
 std::string ranks_text(const std::vector<std::uint32_t>& ranks) {
   std::string out;
@@ -570,6 +590,9 @@ rank_registry_impl::behavior_type rank_registry(self_ptr self, rank_registry_opt
               [with_engine](caf::error&) mutable { with_engine(); });
       return rp;
     },
+    [=](generate_atom, rollout_generate& req) { return registry_generate(self, req); },
+    [=](sleep_atom, const rollout_sleep& req) { return registry_sleep(self, req); },
+    [=](wake_atom, const rollout_wake& req) { return registry_wake(self, req); },
     [=](deadline_atom, std::uint64_t seq) {
       auto& st = self->state;
       if (!st.run || st.run->seq != seq || st.run->running)

@@ -43,6 +43,8 @@ struct rank_registry_options {
   std::uint32_t publish_barrier_ms = 60000;  // first rank's publish -> every rank's publish
   std::uint32_t publish_timeout_ms = 600000; // the SyncCoordinator's publish request
   std::uint32_t ready_wait_ms = 60000;       // a publish waiting for an IDLE runtime
+  std::uint32_t generate_timeout_ms = 130000; // a trainer's generate (runtime timeout + margin)
+  std::uint32_t sleep_wake_timeout_ms = 40000; // a trainer's sleep / wake
   std::function<void(const std::string&)> log; // one line per event (joins, refusals, results)
 };
 

@@ -31,24 +31,6 @@ coordinator_status sync_coordinator_state::status() const {
   return s;
 }
 
-std::vector<receipt> expected_resident_checksums(const model::model_config& model,
-                                                 std::uint32_t tp,
-                                                 const model::synthetic_weights& weights,
-                                                 std::uint64_t step, const std::string& device) {
-  const auto on = device::parse(device, "verifier device");
-  const auto digests = publication::expected_resident_digests(model, tp, weights, step, on);
-  const model::tp_layout layout(model, tp);
-  const auto& residents = layout.residents();
-  std::vector<receipt> out(tp);
-  for (std::uint32_t r = 0; r < tp; ++r) {
-    out[r].tp_rank = r;
-    for (std::size_t i = 0; i < residents.size(); ++i)
-      out[r].checksums.push_back(
-        tensor_checksum{residents[i].name, model::digest_hex(digests[r][i])});
-  }
-  return out;
-}
-
 namespace {
 
 std::string random_publication_id() {
@@ -271,6 +253,17 @@ void check_manifests(self_ptr self, std::shared_ptr<publication_ctx> ctx) {
                                       + std::to_string(ctx->expected.size())
                                       + " tensors with manifest "
                                       + ctx->fingerprint.substr(0, 16)));
+          if (ctx->verify && ctx->ranks.front().weight_source == "registered") {
+            // Registered weights: the expected digests are the ranks' terms, computed from
+            // their own memory after the gather, added to the zero digests.
+            try {
+              ctx->expected_checksums
+                = expected_from_terms(self->state.opts.model, ctx->runtime.tp_world_size, reports);
+            } catch (const std::exception& e) {
+              ctx->verify_error = e.what();
+            }
+            ctx->verify_done = true;
+          }
           finish(self, ctx);
         },
         manifest_atom::value, ctx->id);
@@ -407,6 +400,11 @@ caf::error preflight(const sync_coordinator_state& st, publication_ctx& ctx) {
   if (!std::all_of(ctx.ranks.begin(), ctx.ranks.end(),
                    [&](const rank_info& ri) { return ri.step == ctx.ranks.front().step; }))
     return bad("step", "trainer ranks are at different optimizer steps");
+  for (const auto& ri : ctx.ranks)
+    if (ri.weight_source != ctx.ranks.front().weight_source)
+      return bad("weight_source", "trainer rank 0 publishes " + ctx.ranks.front().weight_source
+                                    + " weights, rank " + std::to_string(ri.rank) + " "
+                                    + ri.weight_source + " weights");
   const auto& pc = st.opts.publication;
   try {
     ctx.plan = publication::plan_chunks(ctx.expected, pc.buffer_bytes,
@@ -466,7 +464,10 @@ void begin(self_ptr self, std::shared_ptr<publication_ctx> ctx) {
                                         }
                                         h.expected_tensor_count = ctx->expected.size();
                                         h.verify = ctx->verify;
-                                        if (ctx->verify && !journal::replaying(st.opts.journal)) {
+                                        const bool registered
+                                          = ctx->ranks.front().weight_source == "registered";
+                                        if (ctx->verify && !registered
+                                            && !journal::replaying(st.opts.journal)) {
                                           // Expected checksums from the trainer's full weights,
                                           // computed while the publication runs (in a replay
                                           // the journal brings the worker's answer).
@@ -500,6 +501,8 @@ void begin(self_ptr self, std::shared_ptr<publication_ctx> ctx) {
                                         spec.chunk_count
                                           = static_cast<std::uint32_t>(ctx->plan.chunks.size());
                                         spec.world = static_cast<std::uint32_t>(st.ranks.size());
+                                        spec.tp = h.tp_world_size;
+                                        spec.verify = ctx->verify;
                                         phase(self, ctx, phase_kind::prepare, 0,
                                               [self, ctx](std::vector<rank_report>&) {
                                                 start_update(self, ctx);

@@ -116,6 +116,11 @@ sync_coordinator(sync_coordinator_impl::stateful_pointer<sync_coordinator_state>
 // Expected resident element digests of every TP worker for synthetic weights at `step`
 // (publication::expected_resident_digests), computed on `device` ("cpu:N" or, in CUDA
 // builds, "cuda:N": the trainer's first device). Blocking; worker threads only.
+// The expected resident digests of registered weights: every rank's manifest-phase digest
+// terms (flattened [tp][resident]) added to the zero digests. Throws std::runtime_error when a
+// rank's terms do not fit the layout.
+std::vector<receipt> expected_from_terms(const model::model_config& model, std::uint32_t tp,
+                                         const std::vector<rank_report>& reports);
 std::vector<receipt> expected_resident_checksums(const model::model_config& model,
                                                  std::uint32_t tp,
                                                  const model::synthetic_weights& weights,

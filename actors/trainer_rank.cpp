@@ -23,9 +23,10 @@ rank_info trainer_rank_state::info(std::uint64_t free_bytes) const {
   out.device_uuid = uuid;
   out.free_bytes = free_bytes;
   out.step = step;
-  out.shard_bytes = shards ? shards->bytes() : 0;
+  out.shard_bytes = opts.registered ? opts.registered->bytes() : shards ? shards->bytes() : 0;
   out.peak_materialized_bytes = peak_materialized_bytes;
   out.pid = static_cast<std::uint32_t>(::getpid());
+  out.weight_source = opts.registered ? "registered" : "synthetic";
   return out;
 }
 
@@ -54,6 +55,28 @@ rank_report failed(rank_report r, std::string error) {
   return r;
 }
 
+// The rank's weight source: the synthetic shard store or the registered tensors.
+struct source_view {
+  const publication::shard_store* shards = nullptr;
+  const publication::registered_weights* registered = nullptr;
+
+  bool ready() const { return registered != nullptr || shards->ready(); }
+  const std::vector<model::param_meta>& params() const {
+    return registered ? registered->params() : shards->params();
+  }
+  const device::spec& device() const { return registered ? registered->device() : shards->device(); }
+  publication::gather_item item(std::size_t i, std::byte* out) const {
+    if (registered)
+      return registered->item(i, out);
+    return {shards->data(i), shards->spec(i).padded_bytes(), out, {}};
+  }
+};
+
+source_view view_of(const trainer_rank_options& o,
+                    const std::shared_ptr<publication::shard_store>& shards) {
+  return {shards.get(), o.registered.get()};
+}
+
 std::string shape_string(const std::vector<std::int64_t>& shape) {
   std::string out = "[";
   for (std::size_t i = 0; i < shape.size(); ++i)
@@ -62,7 +85,7 @@ std::string shape_string(const std::vector<std::int64_t>& shape) {
 }
 
 // Worker-thread side of `prepare`: independent re-planning and buffer allocation.
-rank_report run_prepare(const trainer_rank_options& o, const publication::shard_store& shards,
+rank_report run_prepare(const trainer_rank_options& o, const source_view& shards,
                         const std::string& storage_error, rank_session& s, rank_report r) {
   try {
     if (!shards.ready())
@@ -102,7 +125,7 @@ rank_report run_prepare(const trainer_rank_options& o, const publication::shard_
 // before entering the collective (a failing rank must not strand the others inside it), then
 // one grouped all-gather straight into the packed buffer.
 rank_report run_materialize(const trainer_rank_options& o, const std::string& uuid,
-                            const publication::shard_store& shards, rank_session& s,
+                            const source_view& shards, rank_session& s,
                             std::uint32_t k, rank_report r) {
   if (k >= s.plan.chunks.size())
     return failed(r, "chunk " + std::to_string(k) + " is not in the plan ("
@@ -130,8 +153,7 @@ rank_report run_materialize(const trainer_rank_options& o, const std::string& uu
                          + model::dtype_name(emitted.dt) + ", the plan expects "
                          + shape_string(planned.meta.shape) + " "
                          + model::dtype_name(planned.meta.dt));
-    const auto& spec = shards.spec(index);
-    items.push_back({shards.data(index), spec.padded_bytes(), buffer + planned.offset});
+    items.push_back(shards.item(index, buffer + planned.offset));
     tensor_meta tm;
     tm.name = planned.meta.name;
     tm.shape = planned.meta.shape;
@@ -171,22 +193,29 @@ trainer_rank_impl::behavior_type trainer_rank(self_ptr self, trainer_rank_option
   else
     throw std::invalid_argument(st.opts.device + ": trainer_rank_options.device_uuid must be "
                                 "resolved by the spawner for CUDA devices");
-  st.shards = std::make_shared<publication::shard_store>(model::expected_key_stream(st.opts.model),
-                                                         st.opts.world, st.opts.rank,
-                                                         st.opts.weights, dev,
-                                                         /*allocate_now=*/false);
+  if (st.opts.registered) {
+    const auto& reg = *st.opts.registered;
+    if (!reg.sealed() || reg.world() != st.opts.world || reg.rank() != st.opts.rank)
+      throw std::invalid_argument("trainer rank " + std::to_string(st.opts.rank)
+                                  + ": registered weights must be sealed, for this rank and world");
+  } else {
+    st.shards = std::make_shared<publication::shard_store>(
+      model::expected_key_stream(st.opts.model), st.opts.world, st.opts.rank, st.opts.weights,
+      dev, /*allocate_now=*/false);
+  }
   for (const auto& f : st.opts.faults)
     st.faults.push_back({f, false});
   st.worker = std::make_unique<worker_thread>();
   // The shards' storage (on a GPU: a large cudaMalloc and one kernel per tensor) is built on
   // the worker thread, before any job that reads it; a failure is reported by prepare.
-  st.worker->post([shards = st.shards, error = st.storage_error] {
-    try {
-      shards->allocate();
-    } catch (const std::exception& e) {
-      *error = e.what();
-    }
-  });
+  if (st.shards)
+    st.worker->post([shards = st.shards, error = st.storage_error] {
+      try {
+        shards->allocate();
+      } catch (const std::exception& e) {
+        *error = e.what();
+      }
+    });
   // Worker results come back as messages; the thread holds only a weak reference.
   caf::actor_addr weak = self->address();
   auto post_back = [weak](auto... xs) {
@@ -219,6 +248,8 @@ trainer_rank_impl::behavior_type trainer_rank(self_ptr self, trainer_rank_option
                                 "an optimizer step during publication '"
                                   + st.session->spec.publication_id
                                   + "' would change weights that are being published");
+      if (st.opts.registered) // the trainer stepped its own tensors: count it
+        return ++st.step;
       auto rp = self->make_response_promise<std::uint64_t>();
       auto job = st.next_job++;
       st.steps.emplace(job, rp);
@@ -263,7 +294,8 @@ trainer_rank_impl::behavior_type trainer_rank(self_ptr self, trainer_rank_option
       st.packed.clear();
       st.worker->post([o = st.opts, shards = st.shards, error = st.storage_error, session, r,
                        post_back]() mutable {
-        post_back(done_atom::value, run_prepare(o, *shards, *error, *session, std::move(r)));
+        post_back(done_atom::value,
+                  run_prepare(o, view_of(o, shards), *error, *session, std::move(r)));
       });
     },
     [=](materialize_atom, const std::string& pub, std::uint32_t k) {
@@ -292,7 +324,7 @@ trainer_rank_impl::behavior_type trainer_rank(self_ptr self, trainer_rank_option
       st.worker->post([o = st.opts, uuid = st.uuid, shards = st.shards, session = st.session, k,
                        r, post_back]() mutable {
         post_back(done_atom::value,
-                  run_materialize(o, uuid, *shards, *session, k, std::move(r)));
+                  run_materialize(o, uuid, view_of(o, shards), *session, k, std::move(r)));
       });
     },
     [=](done_atom, rank_report& r) {
@@ -337,12 +369,29 @@ trainer_rank_impl::behavior_type trainer_rank(self_ptr self, trainer_rank_option
         return;
       }
       bool forge = find_fault(*st.session, "wrong_manifest") != nullptr;
-      st.worker->post([session = st.session, r, forge, post_back]() mutable {
+      bool forge_terms = find_fault(*st.session, "wrong_digest_terms") != nullptr;
+      st.worker->post([session = st.session, r, forge, forge_terms, post_back,
+                       model = st.opts.model, registered = st.opts.registered]() mutable {
         auto emitted = session->emitted;
         if (forge && !emitted.empty())
           emitted.pop_back();
         r.fingerprint = model::structural_manifest(emitted);
         r.tensor_count = emitted.size();
+        if (registered && session->spec.verify) {
+          // The verifier's share of this rank: digest terms of the bytes it contributed, read
+          // again from the registered memory after the gather (memory the trainer changed
+          // during the publication shows up as a verification failure).
+          try {
+            const model::tp_layout layout(model, session->spec.tp);
+            const std::vector<std::size_t> sent(session->stream.begin(),
+                                                session->stream.begin() + session->cursor);
+            r.digest_terms = registered->partial_digests(layout, sent);
+            if (forge_terms && !r.digest_terms.empty())
+              r.digest_terms.front() += 1; // test-only: memory that changed after the gather
+          } catch (const std::exception& e) {
+            r = failed(r, std::string("digest terms: ") + e.what());
+          }
+        }
         post_back(done_atom::value, std::move(r));
       });
     },

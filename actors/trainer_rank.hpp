@@ -1,9 +1,13 @@
-// TrainerRank: one per trainer rank. Owns its FSDP dim-0 shard of every canonical tensor
-// (synthetic weights), and per publication: re-plans from its own model config (validation
-// point 1), materializes planned chunks in order through the collective into its packed
-// buffers (host memfds or GPU memory; up to buffer_count chunks held at once), checks every emitted tensor against the plan (point 2), records its
-// actual manifest (point 3) and checks the committed result (point 7). Blocking work runs on a
-// worker thread the actor owns; every phase outcome goes to the ConsensusGate.
+// TrainerRank: one per trainer rank. Its weight source is either its FSDP dim-0 shard of every
+// canonical tensor (synthetic weights) or the trainer's own registered memory
+// (publication::registered_weights: Shard(0) rows, replicated tensors, fused experts). Per
+// publication it re-plans from its own model config (validation point 1), materializes
+// planned chunks in order through the collective into its packed buffers (host memfds or GPU
+// memory; up to buffer_count chunks held at once), checks every emitted tensor against the
+// plan (point 2), records its actual manifest (point 3; with registered weights and verify,
+// also the verifier's digest terms of its memory) and checks the committed result (point 7).
+// Blocking work runs on a worker thread the actor owns; every phase outcome goes to the
+// ConsensusGate.
 #pragma once
 
 #include <cstdint>
@@ -17,6 +21,7 @@
 #include "runtime/publication/chunk_plan.hpp"
 #include "runtime/publication/collective_registry.hpp"
 #include "runtime/publication/backend.hpp"
+#include "runtime/publication/registered.hpp"
 #include "runtime/publication/shard.hpp"
 #include "runtime/control/worker_thread.hpp"
 
@@ -31,6 +36,9 @@ struct trainer_rank_options {
   std::string device_uuid;
   model::model_config model;
   model::synthetic_weights weights;
+  // The trainer's own tensors (sealed); null: the synthetic shards from `weights`. With it,
+  // `step` only counts the trainer's steps (the trainer changes its memory itself).
+  std::shared_ptr<const publication::registered_weights> registered;
   std::vector<config::trainer_fault> faults; // this rank's test-only faults
   std::shared_ptr<publication::collective_registry> collectives;
   consensus_gate_actor gate;
@@ -43,7 +51,7 @@ struct rank_session {
   publication::chunk_plan plan;
   std::unique_ptr<publication::buffer_pool> pool;
   std::shared_ptr<publication::collective> coll;
-  std::vector<std::size_t> stream;         // emission order (indices into the shard store)
+  std::vector<std::size_t> stream;         // emission order (canonical indices)
   std::size_t cursor = 0;
   std::vector<model::param_meta> emitted;  // the actual manifest
   std::vector<config::trainer_fault> faults; // test-only faults armed for this publication
@@ -59,7 +67,7 @@ struct trainer_rank_state {
 
   trainer_rank_options opts;
   std::string uuid;
-  std::shared_ptr<publication::shard_store> shards;
+  std::shared_ptr<publication::shard_store> shards; // synthetic source only
   // Why the worker thread could not allocate the shards (written there before any later job
   // runs; read only by later jobs on the same thread).
   std::shared_ptr<std::string> storage_error = std::make_shared<std::string>();

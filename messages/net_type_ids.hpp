@@ -24,5 +24,8 @@ CAF_BEGIN_TYPE_ID_BLOCK(refit_net, caf::id_block::refit::end)
   CAF_ADD_TYPE_ID(refit_net, (refit::publish_request))
   CAF_ADD_TYPE_ID(refit_net, (refit::registry_status))
   CAF_ADD_TYPE_ID(refit_net, (refit::host_status))
+  CAF_ADD_TYPE_ID(refit_net, (refit::rollout_generate))
+  CAF_ADD_TYPE_ID(refit_net, (refit::rollout_sleep))
+  CAF_ADD_TYPE_ID(refit_net, (refit::rollout_wake))
 
 CAF_END_TYPE_ID_BLOCK(refit_net)

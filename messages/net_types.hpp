@@ -135,6 +135,41 @@ typename Inspector::result_type inspect(Inspector& f, registry_status& x) {
            x.engine);
 }
 
+// Rollout requests of a trainer process through the coordinator (token required; refused
+// with update_open while a collective publish is open: at its barrier or running).
+struct rollout_generate {
+  std::string token;
+  std::uint32_t rank = 0; // who asks (for the coordinator's log)
+  generate_request request;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, rollout_generate& x) {
+  return f(caf::meta::type_name("rollout_generate"), x.token, x.rank, x.request);
+}
+
+struct rollout_sleep {
+  std::string token;
+  std::uint32_t rank = 0;
+  std::uint32_t level = 1; // 1: weights to host memory, KV cache freed; 2: both freed
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, rollout_sleep& x) {
+  return f(caf::meta::type_name("rollout_sleep"), x.token, x.rank, x.level);
+}
+
+struct rollout_wake {
+  std::string token;
+  std::uint32_t rank = 0;
+  wake_tags tags;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, rollout_wake& x) {
+  return f(caf::meta::type_name("rollout_wake"), x.token, x.rank, x.tags);
+}
+
 // What a trainer process's TrainerHost reports (local only).
 struct host_status {
   std::uint32_t rank = 0;

@@ -306,12 +306,15 @@ struct rank_report {
   std::vector<buffer_handle> handles;// materialize: the rank's buffer holding the chunk
   std::string fingerprint;           // manifest: SHA-256 of the rank's actual emitted stream
   std::uint64_t tensor_count = 0;    // manifest: tensors emitted
+  // manifest, registered weights with verify: this rank's digest terms per TP worker and
+  // resident tensor (flattened [tp][resident], see publication::registered_weights)
+  std::vector<std::uint64_t> digest_terms;
 };
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, rank_report& x) {
   return f(caf::meta::type_name("rank_report"), x.phase, x.rank, x.ok, x.error, x.tensors,
-           x.handles, x.fingerprint, x.tensor_count);
+           x.handles, x.fingerprint, x.tensor_count, x.digest_terms);
 }
 
 // The failure the gate hands to every rank and to the coordinator.
@@ -337,12 +340,14 @@ struct rank_info {
   std::uint64_t shard_bytes = 0;
   std::uint64_t peak_materialized_bytes = 0; // most packed bytes held before a transfer freed them
   std::uint32_t pid = 0;    // the process holding the rank's packed buffers
+  std::string weight_source = "synthetic";   // or "registered": the trainer's own tensors
 };
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, rank_info& x) {
   return f(caf::meta::type_name("rank_info"), x.rank, x.world, x.device, x.device_uuid,
-           x.free_bytes, x.step, x.shard_bytes, x.peak_materialized_bytes, x.pid);
+           x.free_bytes, x.step, x.shard_bytes, x.peak_materialized_bytes, x.pid,
+           x.weight_source);
 }
 
 // Sent to every rank before any materialization: each rank re-plans from its own model
@@ -356,13 +361,15 @@ struct publication_spec {
   std::uint32_t buffer_count = 0;
   std::uint32_t chunk_count = 0;
   std::uint32_t world = 0;
+  std::uint32_t tp = 0;  // the runtime's TP size (registered weights: digest terms per worker)
+  bool verify = false;   // publication.verify: registered ranks report digest terms
 };
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, publication_spec& x) {
   return f(caf::meta::type_name("publication_spec"), x.publication_id, x.model_version,
            x.manifest_fingerprint, x.tensor_count, x.buffer_bytes, x.buffer_count,
-           x.chunk_count, x.world);
+           x.chunk_count, x.world, x.tp, x.verify);
 }
 
 // The committed result, handed to every rank (validation point 7) and to the caller.

@@ -126,6 +126,45 @@ int main(int argc, char** argv) {
             {"attempts", p.attempts},
             {"receipts", receipts},
             {"ms", ms}});
+    } else if (cmd == "generate") {
+      // generate <n> <max_tokens> <temperature> <text>: the text's bytes are the prompt.
+      refit::api::sampling_params sp;
+      in >> sp.n >> sp.max_tokens >> sp.temperature;
+      std::string text;
+      std::getline(in >> std::ws, text);
+      std::vector<std::int32_t> prompt(text.begin(), text.end());
+      auto g = host.generate({prompt}, sp);
+      if (!g) {
+        emit({{"event", "generated"}, {"ok", false}, {"error", error_json(g.failure())}});
+        continue;
+      }
+      json samples = json::array();
+      for (const auto& smp : g->samples)
+        samples.push_back({{"token_ids", smp.token_ids},
+                           {"logprobs", smp.logprobs},
+                           {"finish_reason", smp.finish_reason},
+                           {"model_version", smp.model_version}});
+      emit({{"event", "generated"}, {"ok", true}, {"model_version", g->model_version},
+            {"samples", samples}});
+    } else if (cmd == "status") {
+      auto st = host.status();
+      if (!st) {
+        emit({{"event", "status"}, {"ok", false}, {"error", error_json(st.failure())}});
+        continue;
+      }
+      emit({{"event", "status"}, {"ok", true}, {"committed_version", st->committed_version},
+            {"connection", st->connection}, {"publishing", st->publishing},
+            {"sleep_level", st->sleep_level}, {"complete", st->complete}});
+    } else if (cmd == "sleep" || cmd == "wake") {
+      std::uint32_t arg = 1;
+      in >> arg;
+      auto st = cmd == "sleep" ? host.sleep(arg) : host.wake(true, true);
+      if (!st) {
+        emit({{"event", cmd}, {"ok", false}, {"error", error_json(st.failure())}});
+        continue;
+      }
+      emit({{"event", cmd}, {"ok", true}, {"sleep_level", st->sleep_level},
+            {"weights_awake", st->weights_awake}, {"kv_cache_awake", st->kv_cache_awake}});
     } else {
       emit({{"event", "error"}, {"stage", "command"}, {"line", line}});
     }

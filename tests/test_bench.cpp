@@ -70,6 +70,24 @@ TEST(Bench, PublishReportIsCompleteAndConsistent) {
   EXPECT_NE(j["bound_method"].get<std::string>().find("memcpy"), std::string::npos);
 }
 
+TEST(Bench, RegisteredSourcePublishesTheSameBytesVerified) {
+  auto synth = run("publish --config " + tiny_config() + " --iterations 1 --json 2>/dev/null");
+  auto reg = run("publish --config " + tiny_config()
+                 + " --iterations 2 --verify --json --source registered 2>/dev/null");
+  ASSERT_EQ(synth.exit_code, 0) << synth.out;
+  ASSERT_EQ(reg.exit_code, 0) << reg.out;
+  json a = json::parse(synth.out), b = json::parse(reg.out);
+  EXPECT_EQ(a["source"], "synthetic");
+  EXPECT_EQ(b["source"], "registered");
+  EXPECT_EQ(a["bytes"], b["bytes"]);
+  EXPECT_EQ(a["tensors"], b["tensors"]);
+  EXPECT_EQ(a["chunks"], b["chunks"]);
+  EXPECT_TRUE(b["verified"].get<bool>()) << "digest terms of the registered memory == receipts";
+  auto bad = run("publish --config " + tiny_config() + " --source torch 2>&1");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.out.find("--source"), std::string::npos) << bad.out;
+}
+
 TEST(Bench, MissingConfigIsOneErrorLineAndNonZeroExit) {
   auto r = run("publish --config /nonexistent/bench.yaml --json 2>&1");
   EXPECT_NE(r.exit_code, 0);

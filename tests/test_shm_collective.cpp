@@ -204,6 +204,53 @@ TEST(ShmCollective, InPlaceShardsAreAllowed) {
   EXPECT_EQ(res.results, (std::vector<std::string>{"", ""}));
 }
 
+TEST(ShmCollective, VariablePieceLayoutsConcatenateInRankOrder) {
+  // Registered tensors: unequal row ranges (5 rows over 3 ranks: 2, 2, 1), a tensor only rank
+  // 1 holds (a fused expert's canonical tensor), and one nobody but rank 0 contributes to.
+  auto res = run_ranks(3, [](std::uint32_t rank, const auto& ep, const auto& members) {
+    shm_collective c(ep, members, "pub-pieces");
+    const std::vector<std::vector<gather_piece>> layouts = {
+      {{0, 200}, {200, 200}, {400, 100}}, {{0, 0}, {0, 4096}, {0, 0}}, {{0, 7}, {7, 0}, {7, 0}}};
+    const std::vector<std::uint64_t> totals = {500, 4096, 7};
+    std::vector<std::vector<std::byte>> shards(layouts.size()), outs(layouts.size());
+    std::vector<gather_item> items;
+    for (std::size_t i = 0; i < layouts.size(); ++i) {
+      const auto& mine = layouts[i][rank];
+      shards[i].resize(mine.bytes);
+      for (std::uint64_t b = 0; b < mine.bytes; ++b)
+        shards[i][b] = pattern(rank, i, 0, b);
+      outs[i].assign(totals[i], std::byte{0xee});
+      items.push_back({shards[i].data(), mine.bytes, outs[i].data(), layouts[i]});
+    }
+    auto st = c.all_gather(rank, items, clock_type::now() + 20s);
+    if (!st.ok)
+      return st.error;
+    for (std::size_t i = 0; i < layouts.size(); ++i)
+      for (std::uint32_t src = 0; src < 3; ++src)
+        for (std::uint64_t b = 0; b < layouts[i][src].bytes; ++b)
+          if (outs[i][layouts[i][src].offset + b] != pattern(src, i, 0, b))
+            return "item " + std::to_string(i) + ": byte " + std::to_string(b) + " of rank "
+                   + std::to_string(src) + "'s piece differs";
+    return std::string();
+  });
+  EXPECT_EQ(res.results, (std::vector<std::string>{"", "", ""}));
+}
+
+TEST(ShmCollective, RanksDisagreeingOnAPieceLayoutFailEveryRank) {
+  auto res = run_ranks(2, [](std::uint32_t rank, const auto& ep, const auto& members) {
+    shm_collective c(ep, members, "pub-pieces-mismatch");
+    std::vector<std::byte> shard(16), out(32);
+    // Rank 1 thinks its piece is twice as large as rank 0 thinks it is.
+    std::vector<gather_piece> layout = rank == 0 ? std::vector<gather_piece>{{0, 8}, {8, 8}}
+                                                 : std::vector<gather_piece>{{0, 8}, {8, 16}};
+    std::vector<gather_item> items{{shard.data(), layout[rank].bytes, out.data(), layout}};
+    auto st = c.all_gather(rank, items, clock_type::now() + 20s);
+    return st.ok ? std::string("gathered") : st.error;
+  });
+  for (const auto& r : res.results)
+    EXPECT_THAT(r, HasSubstr("ranks disagree on the items of round 0"));
+}
+
 TEST(ShmCollective, MismatchedItemsFailEveryRankWithTheSameCause) {
   auto res = run_ranks(2, [](std::uint32_t rank, const auto& ep, const auto& members) {
     shm_collective c(ep, members, "pub-mismatch");

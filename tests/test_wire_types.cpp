@@ -147,12 +147,66 @@ TEST_F(WireTypes, StatusSurvivesARoundTrip) {
   EXPECT_EQ(h2.last_error, h.last_error);
 }
 
+TEST_F(WireTypes, RolloutRequestsOfATrainerSurviveARoundTrip) {
+  rollout_generate g;
+  g.token = "secret-token-0123456789";
+  g.rank = 1;
+  g.request.prompts = {{1, 2, 3}, {250}};
+  g.request.params.n = 3;
+  g.request.params.max_tokens = 9;
+  g.request.params.temperature = 0.5f;
+  g.request.params.top_k = 4;
+  g.request.params.top_p = 0.25f;
+  g.request.params.seed = 77;
+  g.request.params.stop_token_ids = {0, 10};
+  g.request.params.max_prompt_length = 12;
+  auto g2 = round_trip(g);
+  EXPECT_EQ(g2.token, g.token);
+  EXPECT_EQ(g2.rank, 1u);
+  EXPECT_EQ(g2.request.prompts, g.request.prompts);
+  EXPECT_EQ(g2.request.params.n, 3u);
+  EXPECT_EQ(g2.request.params.max_tokens, 9u);
+  EXPECT_EQ(g2.request.params.temperature, 0.5f);
+  EXPECT_EQ(g2.request.params.top_k, 4);
+  EXPECT_EQ(g2.request.params.top_p, 0.25f);
+  EXPECT_EQ(g2.request.params.seed, 77u);
+  EXPECT_EQ(g2.request.params.stop_token_ids, g.request.params.stop_token_ids);
+  EXPECT_EQ(g2.request.params.max_prompt_length, 12u);
+
+  rollout_sleep sl{"t", 1, 2};
+  auto sl2 = round_trip(sl);
+  EXPECT_EQ(sl2.token, "t");
+  EXPECT_EQ(sl2.rank, 1u);
+  EXPECT_EQ(sl2.level, 2u);
+  rollout_wake wk{"t", 1, wake_tags::only_kv_cache()};
+  auto wk2 = round_trip(wk);
+  EXPECT_EQ(wk2.rank, 1u);
+  EXPECT_FALSE(wk2.tags.weights);
+  EXPECT_TRUE(wk2.tags.kv_cache);
+}
+
+TEST_F(WireTypes, RegisteredWeightFieldsOfTheRankMessagesSurviveARoundTrip) {
+  rank_info info;
+  info.weight_source = "registered";
+  EXPECT_EQ(round_trip(info).weight_source, "registered");
+  publication_spec spec;
+  spec.tp = 4;
+  spec.verify = true;
+  auto spec2 = round_trip(spec);
+  EXPECT_EQ(spec2.tp, 4u);
+  EXPECT_TRUE(spec2.verify);
+  rank_report r;
+  r.digest_terms = {1, 0xffffffffffffffffull, 42};
+  EXPECT_EQ(round_trip(r).digest_terms, r.digest_terms);
+}
+
 TEST_F(WireTypes, TheNetworkBlockFollowsRefitsOwnAndNamesEveryType) {
   EXPECT_EQ(caf::id_block::refit_net::begin, caf::id_block::refit::end);
   EXPECT_STREQ(caf::type_name<welcome>::value, "refit::welcome");
   EXPECT_STREQ(caf::type_name<membership>::value, "refit::membership");
   EXPECT_STREQ(caf::type_name<registry_status>::value, "refit::registry_status");
-  EXPECT_EQ(caf::id_block::refit_net::end - caf::id_block::refit_net::begin, 8);
+  EXPECT_STREQ(caf::type_name<rollout_generate>::value, "refit::rollout_generate");
+  EXPECT_EQ(caf::id_block::refit_net::end - caf::id_block::refit_net::begin, 11);
 }
 
 } // namespace

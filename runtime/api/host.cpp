@@ -3,23 +3,14 @@
 // worker thread, the cross-process all-gather over this process's shm endpoint) and its
 // TrainerHost; with serve.embedded, rank 0 also runs the coordinator services. Every blocking
 // call here runs on the caller's thread, through requests with finite timeouts.
-#include "refit/host.hpp"
+#include "host_impl.hpp"
 
 #include <unistd.h>
 
+#include <cstdio>
 #include <iostream>
-#include <optional>
 #include <thread>
 
-#include <caf/actor_system.hpp>
-#include <caf/actor_system_config.hpp>
-#include <caf/scoped_actor.hpp>
-#include <caf/send.hpp>
-#include <caf/stateful_actor.hpp>
-#include <caf/typed_event_based_actor.hpp>
-
-#include "actors/trainer_host.hpp"
-#include "actors/trainer_rank.hpp"
 #include "runtime/system/bootstrap.hpp"
 #include "runtime/device/device.hpp"
 #include "runtime/model/qwen3_moe.hpp"
@@ -28,8 +19,6 @@
 #include "runtime/control/process.hpp"
 #include "runtime/control/protocol_version.hpp"
 #include "runtime/publication/backend.hpp"
-#include "runtime/publication/shm_collective.hpp"
-#include "runtime/system/serve.hpp"
 
 #ifndef REFIT_LIBRARY_VERSION
 #define REFIT_LIBRARY_VERSION "unknown"
@@ -44,8 +33,6 @@ const char* library_version() {
 std::uint32_t wire_protocol_version() {
   return wire::serve_protocol_version;
 }
-
-namespace {
 
 error api_error(const std::string& code, const std::string& where, const std::string& message) {
   error e;
@@ -73,6 +60,8 @@ error from_caf(const caf::error& err) {
   e.text = "caf: " + e.message;
   return e;
 }
+
+namespace {
 
 error from_config(const config::config_error& e) {
   return api_error("invalid_argument", e.key, e.what());
@@ -111,47 +100,6 @@ std::string hostname() {
 }
 
 } // namespace
-
-struct host::impl {
-  host_options options;
-  config::refit_config cfg;
-  std::optional<rank_spec> rank;
-  std::optional<synthetic_weights> weights;
-  std::string address; // host:port of the coordinator
-
-  std::unique_ptr<caf::actor_system_config> sys_cfg;
-  std::unique_ptr<caf::actor_system> sys;
-  std::optional<serve::coordinator_services> embedded;
-  rank_registry_actor registry;
-  trainer_rank_actor rank_actor;
-  trainer_host_actor host_actor;
-  std::shared_ptr<refit::publication::shm_group> group;
-  bool connected = false;
-
-  // Stops everything connect() started, in order: the collective is woken, the actors quit,
-  // the embedded coordinator shuts its runtime down, the actor system (and its middleman) goes.
-  void stop() {
-    if (group)
-      group->abort_all("this trainer process is leaving");
-    if (host_actor)
-      caf::anon_send_exit(host_actor, caf::exit_reason::user_shutdown);
-    if (rank_actor)
-      caf::anon_send_exit(rank_actor, caf::exit_reason::user_shutdown);
-    if (embedded && sys)
-      serve::stop_coordinator(*sys, *embedded);
-    host_actor = nullptr;
-    rank_actor = nullptr;
-    registry = nullptr;
-    embedded.reset();
-    sys.reset();
-    sys_cfg.reset();
-    group.reset();
-    connected = false;
-  }
-
-  error connect();
-  error connect_steps(); // connect() without the cleanup on failure
-};
 
 result<std::unique_ptr<host>> host::create(host_options options) {
   auto p = std::make_unique<impl>();
@@ -195,6 +143,9 @@ error host::register_rank(rank_spec spec) {
   auto& p = *impl_;
   if (p.connected)
     return api_error("invalid_state", "register_rank", "already connected");
+  if (p.registered)
+    return api_error("invalid_state", "register_rank", "tensors are registered for the rank "
+                                                       "registered before");
   auto world = config::serve_world(p.cfg);
   if (spec.world == 0)
     spec.world = world;
@@ -211,9 +162,19 @@ error host::register_rank(rank_spec spec) {
                                                 : p.cfg.trainer.devices[spec.rank];
   try {
     auto d = device::parse(spec.device, "rank.device");
+#if REFIT_HAVE_CUDA
+    // One GPU per trainer process; the cross-process NCCL communicator (world > 1 on GPUs)
+    // is not built yet.
+    if (d.k == device::kind::cuda && spec.world != 1)
+      return api_error("invalid_argument", "rank.device",
+                       "'" + spec.device + "': trainer ranks on GPUs publish with world 1 only "
+                       "(the NCCL communicator across trainer processes is not built yet)");
+#else
     if (d.k != device::kind::cpu)
       return api_error("invalid_argument", "rank.device",
-                       "'" + spec.device + "': this build publishes from CPU devices only");
+                       "'" + spec.device + "': this build publishes from CPU devices only "
+                       "(CUDA devices need a build with REFIT_CUDA=ON)");
+#endif
   } catch (const std::invalid_argument& e) {
     return api_error("invalid_argument", "rank.device", e.what());
   }
@@ -230,8 +191,80 @@ error host::register_weights(synthetic_weights weights) {
   if (!(weights.init_scale > 0.0f && weights.init_scale <= 10.0f))
     return api_error("invalid_argument", "weights.init_scale",
                      std::to_string(weights.init_scale) + " is out of range (0, 10]");
+  if (p.registered)
+    return api_error("invalid_state", "register_weights",
+                     "this rank already registered its own tensors (register_tensor)");
   p.weights = weights;
   return {};
+}
+
+error host::register_tensor(tensor_spec spec) {
+  auto& p = *impl_;
+  const std::string where = spec.name.empty() ? "tensor" : spec.name;
+  if (p.connected)
+    return api_error("invalid_state", where, "register_tensor after connect");
+  if (!p.rank)
+    return api_error("invalid_state", where, "register_rank first");
+  if (p.weights)
+    return api_error("invalid_state", where,
+                     "this rank already registered synthetic weights (register_weights)");
+  try {
+    if (!p.registered)
+      p.registered = std::make_shared<refit::publication::registered_weights>(
+        p.cfg.model, p.rank->world, p.rank->rank, device::parse(p.rank->device, "rank.device"));
+    refit::publication::tensor_registration t;
+    t.name = spec.name;
+    t.data = static_cast<const std::byte*>(spec.data);
+    t.bytes = spec.bytes;
+    t.dt = model::parse_dtype(spec.dtype, where + ".dtype");
+    t.device = spec.device;
+    t.global_shape = spec.global_shape;
+    t.placement = spec.sharding == placement::replicated
+                    ? refit::publication::tensor_placement::replicated
+                    : refit::publication::tensor_placement::shard0;
+    t.row_begin = spec.row_begin;
+    t.rows = spec.rows;
+    p.registered->add(std::move(t));
+  } catch (const model::model_error& e) {
+    return api_error("invalid_argument", e.where, e.what());
+  } catch (const std::exception& e) {
+    return api_error("invalid_argument", where, e.what());
+  }
+  p.tensors.push_back(std::move(spec));
+  return {};
+}
+
+namespace {
+
+std::string pointer_text(const void* ptr) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%p", ptr);
+  return buf;
+}
+
+} // namespace
+
+error moved_error(const tensor_spec& t, const void* data, std::uint64_t bytes) {
+  return api_error("invalid_argument", t.name,
+                   "the tensor's memory changed since registration (pointer "
+                     + pointer_text(t.data) + " -> " + pointer_text(data) + ", "
+                     + std::to_string(t.bytes) + " -> " + std::to_string(bytes)
+                     + " bytes): registered memory must stay at the same address and size; "
+                       "nothing was published");
+}
+
+error host::check_tensor(const std::string& name, const void* data, std::uint64_t bytes) const {
+  for (const auto& t : impl_->tensors)
+    if (t.name == name)
+      return t.data == data && t.bytes == bytes ? error{} : moved_error(t, data, bytes);
+  return api_error("invalid_argument", name, "no tensor of this name is registered");
+}
+
+std::vector<model_tensor> host::model_tensors() const {
+  std::vector<model_tensor> out;
+  for (const auto& p : model::expected_key_stream(impl_->cfg.model))
+    out.push_back({p.name, p.shape, model::dtype_name(p.dt)});
+  return out;
 }
 
 error host::impl::connect() {
@@ -248,9 +281,17 @@ error host::impl::connect_steps() {
     return api_error("invalid_state", "connect", "already connected");
   if (!rank)
     return api_error("invalid_state", "connect", "register_rank first");
-  if (!weights)
-    return api_error("invalid_state", "connect", "register_weights first");
-  std::string token;
+  if (!weights && !registered)
+    return api_error("invalid_state", "connect", "register_weights or register_tensor first");
+  if (registered) {
+    try {
+      registered->seal(); // the whole set against the model's key stream
+    } catch (const model::model_error& e) {
+      return api_error("invalid_argument", e.where, e.what());
+    } catch (const std::exception& e) {
+      return api_error("invalid_argument", "tensors", e.what());
+    }
+  }
   try {
     token = config::resolve_token(cfg.serve);
   } catch (const config::config_error& e) {
@@ -340,16 +381,28 @@ error host::impl::connect_steps() {
   ro.world = rank->world;
   ro.device = rank->device;
   ro.model = cfg.model;
-  ro.weights = {weights->seed, weights->lr, weights->init_scale};
+  if (weights)
+    ro.weights = {weights->seed, weights->lr, weights->init_scale};
+  ro.registered = registered;
   for (const auto& f : cfg.trainer.faults)
     if (f.rank == rank->rank)
       ro.faults.push_back(f);
   ro.device_uuid = refit::publication::device_uuid(device::parse(rank->device, "rank.device"));
   ro.collectives = group; // every publication's collective: a shm_collective over the members
+  if (device::parse(rank->device, "rank.device").k == device::kind::cuda) {
+    // World 1 on a GPU: the NCCL registry of this one device (the gather is a device copy
+    // from the registered memory into the CUDA IPC packed buffer).
+    try {
+      ro.collectives = refit::publication::make_collective_registry(
+        {device::parse(rank->device, "rank.device")});
+    } catch (const std::exception& e) {
+      return api_error("spawn_failed", "collective", e.what());
+    }
+  }
   ro.gate = gate;
   ro.collective_timeout_ms = cfg.publication.gate_deadline_ms * 9 / 10;
   rank_actor = sys->spawn(trainer_rank, std::move(ro));
-  for (std::uint64_t s = 0; s < weights->start_step; ++s) {
+  for (std::uint64_t s = 0; weights && s < weights->start_step; ++s) {
     self->request(rank_actor, std::chrono::minutes(10), step_atom::value)
       .receive([](std::uint64_t) {}, [&](caf::error& e) { err = std::move(e); });
     if (err)
@@ -411,6 +464,15 @@ result<publication> host::publish(std::uint64_t model_version) {
   auto& p = *impl_;
   if (!p.connected)
     return api_error("invalid_state", "publish", "connect first");
+  // Registered memory that moved or resized is refused before anything is published.
+  for (const auto& t : p.tensors)
+    if (t.current) {
+      const void* data = t.data;
+      std::uint64_t bytes = t.bytes;
+      t.current(data, bytes);
+      if (data != t.data || bytes != t.bytes)
+        return moved_error(t, data, bytes);
+    }
   auto b = serve::bounds_of(p.cfg);
   caf::scoped_actor self{*p.sys};
   std::optional<publication> out;

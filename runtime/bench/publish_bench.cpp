@@ -66,6 +66,7 @@
 #include "runtime/system/bootstrap.hpp"
 #include "runtime/device/device.hpp"
 #include "runtime/control/process.hpp"
+#include "runtime/bench/fsdp_memory.hpp"
 #include "runtime/bench/measure.hpp"
 #include "runtime/bench/publish_bench.hpp"
 #if REFIT_HAVE_CUDA
@@ -193,6 +194,7 @@ private:
   refit::sync_coordinator_actor verifier_;
   bool started_ = false;
   std::vector<double> nccl_bound_; // GPU: NCCL all-gather bound samples (seconds)
+  std::vector<std::unique_ptr<fsdp_memory>> memory_; // --source registered: the ranks' memory
 };
 
 void bench::start() {
@@ -213,7 +215,17 @@ void bench::start() {
     throw bench_error("the runtime did not become ready within "
                       + std::to_string(timeout.count() / 1000) + " s: "
                       + (st.last_error.empty() ? std::string("no error reported") : st.last_error));
-  pub_ = refit::spawn_publication(*sys_, cfg_, rollout_);
+  std::vector<std::shared_ptr<const refit::publication::registered_weights>> registered;
+  if (opts_.source == "registered") {
+    const refit::model::synthetic_weights w{cfg_.job.seed, cfg_.trainer.lr, cfg_.trainer.init_scale};
+    for (std::uint32_t r = 0; r < cfg_.runtime.tp_size; ++r) {
+      memory_.push_back(std::make_unique<fsdp_memory>(cfg_.model, cfg_.runtime.tp_size, r, w, 0));
+      registered.push_back(memory_.back()->registered());
+    }
+  } else if (opts_.source != "synthetic") {
+    throw bench_error("--source " + opts_.source + ": neither synthetic nor registered");
+  }
+  pub_ = refit::spawn_publication(*sys_, cfg_, rollout_, std::move(registered));
   // Ranks answer describe once their worker threads have allocated and filled their shards,
   // so no timed publication (or memory probe) overlaps that.
   for (const auto& rank : pub_.ranks)
@@ -233,6 +245,7 @@ void bench::stop() {
   pub_ = {};
   rollout_ = {};
   sys_.reset();
+  memory_.clear(); // after the ranks that read it are gone
   started_ = false;
 }
 
@@ -327,6 +340,7 @@ json bench::run() {
   out["tensors"] = first.tensors;
   out["bytes"] = first.bytes;
   out["chunks"] = first.chunks;
+  out["source"] = opts_.source;
   out["trainer_ranks"] = first.trainer_ranks;
   out["tp"] = first.tp;
   out["transport"] = cfg_.publication.transport;
@@ -449,6 +463,7 @@ void print_table(const json& r) {
   std::printf("  model              %s, %llu tensors, %s (%llu bytes)\n",
               r["model_type"].get<std::string>().c_str(), r["tensors"].get<unsigned long long>(),
               gib(r["bytes"].get<std::uint64_t>()).c_str(), r["bytes"].get<unsigned long long>());
+  std::printf("  weight source      %s\n", r.value("source", std::string("synthetic")).c_str());
   std::printf("  topology           %u trainer ranks -> TP %u, transport %s\n",
               r["trainer_ranks"].get<unsigned>(), r["tp"].get<unsigned>(),
               r["transport"].get<std::string>().c_str());

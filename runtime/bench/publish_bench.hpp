@@ -17,6 +17,9 @@ struct publish_options {
   unsigned bound_reps = 3;
   std::string scheduler = "sharing";
   bool verify = false;
+  // "synthetic": the ranks' synthetic shard store; "registered": each rank publishes memory
+  // laid out as an FSDP2 trainer holds it (bench/fsdp_memory.hpp), registered zero copy.
+  std::string source = "synthetic";
   bool as_json = false;
 };
 

@@ -70,7 +70,7 @@ struct supervisor_config {
 struct trainer_fault {
   std::uint32_t rank = 0;
   std::string kind;        // drop_tensor | wrong_shape | fail_materialize | never_report |
-                           // wrong_manifest | reject_final
+                           // wrong_manifest | reject_final | wrong_digest_terms
   std::string tensor;      // drop_tensor / wrong_shape: canonical tensor name
   std::uint32_t chunk = 0; // fail_materialize / never_report: chunk index
   bool repeat = false;     // false: fires in one publication only (a republish then succeeds)

@@ -117,7 +117,7 @@ void validate_config(const refit_config& cfg, const locator& locate) {
     const trainer_fault& f = tr.faults[i];
     check_one_of(key + ".kind", f.kind,
                  {"drop_tensor", "wrong_shape", "fail_materialize", "never_report",
-                  "wrong_manifest", "reject_final"});
+                  "wrong_manifest", "reject_final", "wrong_digest_terms"});
     if (f.rank >= rt.tp_size)
       fail(key + ".rank", "rank " + std::to_string(f.rank) + " does not exist (runtime.tp_size "
                             + std::to_string(rt.tp_size) + " trainer ranks)");

@@ -70,6 +70,10 @@ public:
       return {false, "collective aborted: " + reason()};
     if (comm_dead_[rank])
       return {false, "this rank's NCCL communicator was aborted earlier"};
+    for (const auto& item : items)
+      if (!item.pieces.empty())
+        return {false, "the NCCL all-gather takes uniform dim-0 shards only (registered tensors "
+                       "with a variable layout are not supported on GPUs yet)"};
     try {
       if (cudaSetDevice(ordinals_[rank]) != cudaSuccess)
         return {false, "cudaSetDevice(" + std::to_string(ordinals_[rank]) + ") failed"};

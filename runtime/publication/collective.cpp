@@ -34,7 +34,14 @@ std::string validate_posted(const std::vector<const std::vector<gather_item>*>& 
       return "rank 0 posted " + std::to_string(reference.size()) + " items, rank "
              + std::to_string(r) + " posted " + std::to_string(items.size());
     for (std::size_t i = 0; i < items.size(); ++i) {
-      if (items[i].shard_bytes != reference[i].shard_bytes)
+      if (auto bad = check_item_layout(items[i], static_cast<std::uint32_t>(posted.size()),
+                                       static_cast<std::uint32_t>(r));
+          !bad.empty())
+        return "item " + std::to_string(i) + ": rank " + std::to_string(r) + ": " + bad;
+      if (items[i].pieces != reference[i].pieces)
+        return "item " + std::to_string(i) + ": rank 0 and rank " + std::to_string(r)
+               + " posted different piece layouts";
+      if (items[i].pieces.empty() && items[i].shard_bytes != reference[i].shard_bytes)
         return "item " + std::to_string(i) + ": rank 0 posted " + std::to_string(reference[i].shard_bytes)
                + " shard bytes, rank " + std::to_string(r) + " posted "
                + std::to_string(items[i].shard_bytes);
@@ -58,6 +65,17 @@ std::string missing_ranks_message(const std::vector<const std::vector<gather_ite
 }
 
 } // namespace
+
+std::string check_item_layout(const gather_item& it, std::uint32_t world, std::uint32_t rank) {
+  if (it.pieces.empty())
+    return {};
+  if (it.pieces.size() != world)
+    return std::to_string(it.pieces.size()) + " pieces for " + std::to_string(world) + " ranks";
+  if (it.pieces[rank].bytes != it.shard_bytes)
+    return "own piece of " + std::to_string(it.pieces[rank].bytes) + " bytes, shard of "
+           + std::to_string(it.shard_bytes);
+  return {};
+}
 
 local_collective::local_collective(std::uint32_t world) : world_(world), posted_(world, nullptr) {
   if (world == 0)
@@ -101,9 +119,10 @@ collective_status local_collective::all_gather(std::uint32_t rank,
       if (shard_bytes == 0)
         continue;
       const std::byte* from = items[i].shard;
+      const std::uint64_t at = piece_offset(items[i], rank);
       std::size_t count = 0;
       for (std::uint32_t dst = 0; dst < world_; ++dst) {
-        std::byte* to = (*posted[dst])[i].out + rank * shard_bytes;
+        std::byte* to = (*posted[dst])[i].out + at;
         if (to != from) // an in-place shard already sits at its output
           outs[count++] = to;
       }

@@ -15,11 +15,37 @@
 
 namespace refit::publication {
 
-struct gather_item {
-  const std::byte* shard = nullptr;
-  std::uint64_t shard_bytes = 0; // identical on every rank
-  std::byte* out = nullptr;      // world * shard_bytes
+// Where one rank's piece of an item lands in every rank's output.
+struct gather_piece {
+  std::uint64_t offset = 0;
+  std::uint64_t bytes = 0;
+  bool operator==(const gather_piece& o) const { return offset == o.offset && bytes == o.bytes; }
 };
+
+// Uniform layout (`pieces` empty, the synthetic dim-0 shards): every rank's shard has
+// shard_bytes and rank r's lands at out + r * shard_bytes. Variable layout (`pieces` has one
+// entry per rank, the same list on every rank; registered tensors, whose ranks hold unequal
+// row ranges or, for fused experts, whole canonical tensors): rank r's piece of
+// pieces[r].bytes lands at out + pieces[r].offset, and shard_bytes == pieces[this rank].bytes.
+struct gather_item {
+  gather_item() = default;
+  gather_item(const std::byte* shard_, std::uint64_t bytes_, std::byte* out_,
+              std::vector<gather_piece> pieces_ = {})
+    : shard(shard_), shard_bytes(bytes_), out(out_), pieces(std::move(pieces_)) {}
+  const std::byte* shard = nullptr;
+  std::uint64_t shard_bytes = 0; // this rank's bytes (uniform layout: identical on every rank)
+  std::byte* out = nullptr;      // uniform: world * shard_bytes
+  std::vector<gather_piece> pieces;
+};
+
+inline std::uint64_t piece_bytes(const gather_item& it, std::uint32_t rank) {
+  return it.pieces.empty() ? it.shard_bytes : it.pieces[rank].bytes;
+}
+inline std::uint64_t piece_offset(const gather_item& it, std::uint32_t rank) {
+  return it.pieces.empty() ? std::uint64_t{rank} * it.shard_bytes : it.pieces[rank].offset;
+}
+// "" if `it` is well formed for `world` ranks when posted by `rank`, else what is wrong.
+std::string check_item_layout(const gather_item& it, std::uint32_t world, std::uint32_t rank);
 
 struct collective_status {
   bool ok = true;

@@ -87,10 +87,27 @@ std::uint32_t tag_of(const std::string& text) {
 std::uint64_t hash_sizes(const std::vector<gather_item>& items) {
   std::uint64_t h = 1469598103934665603ull;
   for (const auto& it : items) {
-    h ^= it.shard_bytes;
-    h *= 1099511628211ull;
+    // A variable layout's list is the same on every rank (its own shard_bytes differ).
+    if (it.pieces.empty()) {
+      h ^= it.shard_bytes;
+      h *= 1099511628211ull;
+    }
+    for (const auto& piece : it.pieces) {
+      h ^= piece.offset;
+      h *= 1099511628211ull;
+      h ^= piece.bytes;
+      h *= 1099511628211ull;
+    }
   }
   return h;
+}
+
+// Bytes rank `r` stages for `items` (its pieces, in item order).
+std::uint64_t peer_total(const std::vector<gather_item>& items, std::uint32_t r) {
+  std::uint64_t total = 0;
+  for (const auto& it : items)
+    total += piece_bytes(it, r);
+  return total;
 }
 
 void pause_briefly() {
@@ -394,6 +411,9 @@ collective_status shm_collective::all_gather(std::uint32_t rank,
   for (const auto& it : items) {
     if (it.shard_bytes > 0 && (it.shard == nullptr || it.out == nullptr))
       return abandon("an item has a null shard or output pointer");
+    if (auto bad = check_item_layout(it, world(), rank);
+        !bad.empty())
+      return abandon("an item's layout is malformed: " + bad);
     total += it.shard_bytes;
   }
   const auto sizes = hash_sizes(items);
@@ -430,7 +450,7 @@ collective_status shm_collective::all_gather(std::uint32_t rank,
     if (it.shard_bytes == 0)
       continue;
     bulk_copy(self_->staging() + offset, it.shard, it.shard_bytes);
-    std::byte* own = it.out + std::uint64_t{rank} * it.shard_bytes;
+    std::byte* own = it.out + piece_offset(it, rank);
     if (own != it.shard)
       bulk_copy(own, it.shard, it.shard_bytes);
     offset += it.shard_bytes;
@@ -451,7 +471,7 @@ collective_status shm_collective::all_gather(std::uint32_t rank,
       return st;
   }
   for (auto& p : peers_)
-    if (p.header->item_count != items.size() || p.header->total_bytes != total
+    if (p.header->item_count != items.size() || p.header->total_bytes != peer_total(items, p.rank)
         || p.header->sizes_hash != sizes)
       return abandon("ranks disagree on the items of round " + std::to_string(round) + ": rank "
                      + std::to_string(rank) + " posted " + std::to_string(items.size())
@@ -461,15 +481,17 @@ collective_status shm_collective::all_gather(std::uint32_t rank,
 
   // 4. Pull every peer's shards into this rank's outputs.
   for (auto& p : peers_) {
-    if (!p.map_staging(total))
+    const std::uint64_t peer_bytes = peer_total(items, p.rank);
+    if (!p.map_staging(peer_bytes))
       return abandon("cannot map rank " + std::to_string(p.rank) + "'s staging area ("
-                     + std::to_string(total) + " bytes)");
+                     + std::to_string(peer_bytes) + " bytes)");
     std::uint64_t from = 0;
     for (const auto& it : items) {
-      if (it.shard_bytes == 0)
+      const std::uint64_t bytes = piece_bytes(it, p.rank);
+      if (bytes == 0)
         continue;
-      bulk_copy(it.out + std::uint64_t{p.rank} * it.shard_bytes, p.staging + from, it.shard_bytes);
-      from += it.shard_bytes;
+      bulk_copy(it.out + piece_offset(it, p.rank), p.staging + from, bytes);
+      from += bytes;
     }
   }
   h->pulled.store(word(tag_, round), std::memory_order_release);

@@ -166,10 +166,15 @@ publication_handles spawn_coordinator(caf::actor_system& sys, const config::refi
   return h;
 }
 
-publication_handles spawn_publication(caf::actor_system& sys, const config::refit_config& cfg,
-                                      const rollout_handles& rollout) {
+publication_handles spawn_publication(
+  caf::actor_system& sys, const config::refit_config& cfg, const rollout_handles& rollout,
+  std::vector<std::shared_ptr<const publication::registered_weights>> registered) {
   auto gate = spawn_gate(sys, rollout.journal);
   auto world = cfg.runtime.tp_size;
+  if (!registered.empty() && registered.size() != world)
+    throw std::invalid_argument("spawn_publication: " + std::to_string(registered.size())
+                                + " registered weight sets for " + std::to_string(world)
+                                + " trainer ranks");
   std::vector<device::spec> rank_devices;
   for (std::uint32_t r = 0; r < world; ++r)
     rank_devices.push_back(device::parse(
@@ -187,6 +192,8 @@ publication_handles spawn_publication(caf::actor_system& sys, const config::refi
     o.device_uuid = publication::device_uuid(rank_devices[r]);
     o.model = cfg.model;
     o.weights = weights;
+    if (!registered.empty())
+      o.registered = registered[r];
     for (const auto& f : cfg.trainer.faults)
       if (f.rank == r)
         o.faults.push_back(f);

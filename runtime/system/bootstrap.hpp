@@ -3,7 +3,9 @@
 #pragma once
 
 #include <chrono>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include <caf/actor_system.hpp>
 #include <caf/actor_system_config.hpp>
@@ -14,6 +16,7 @@
 #include "actors/sync_coordinator.hpp"
 #include "runtime/config/config.hpp"
 #include "runtime/journal/journal.hpp"
+#include "runtime/publication/registered.hpp"
 
 namespace refit {
 
@@ -57,9 +60,11 @@ struct publication_handles {
 
 // Spawns the trainer side in this process: one TrainerRank per runtime device (rank r on
 // runtime.devices[r]), the ConsensusGate and the SyncCoordinator driving `rollout.engine`
-// (journaled into `rollout.journal` when it is set).
-publication_handles spawn_publication(caf::actor_system& sys, const config::refit_config& cfg,
-                                      const rollout_handles& rollout);
+// (journaled into `rollout.journal` when it is set). `registered`: one sealed set of the
+// trainer's own tensors per rank (the ranks publish that memory); empty: synthetic weights.
+publication_handles spawn_publication(
+  caf::actor_system& sys, const config::refit_config& cfg, const rollout_handles& rollout,
+  std::vector<std::shared_ptr<const publication::registered_weights>> registered = {});
 
 // The pieces of spawn_publication, for tests and refit-replay that bring their own trainer
 // ranks: the ConsensusGate, then (once the ranks exist) the ranks' journal names "rank<r>",

@@ -2,6 +2,8 @@
 
 #include <unistd.h>
 
+#include <algorithm>
+
 #include <caf/send.hpp>
 #include <caf/stateful_actor.hpp>
 #include <caf/typed_event_based_actor.hpp>
@@ -76,7 +78,10 @@ caf::expected<coordinator_services> start_coordinator(caf::actor_system& sys,
   ro.publish_barrier_ms = cfg.serve.publish_barrier_ms;
   ro.publish_timeout_ms = cfg.serve.publish_timeout_ms;
   ro.ready_wait_ms = b.ready_wait_ms;
-  ro.log = log;
+  ro.generate_timeout_ms = cfg.runtime.timeouts_ms.generate + 10000;
+  ro.sleep_wake_timeout_ms
+    = std::max(cfg.runtime.timeouts_ms.sleep, cfg.runtime.timeouts_ms.wake_up) + 10000;
+  ro.log = std::move(log);
   s.registry = sys.spawn(rank_registry, std::move(ro), s.rollout.engine, s.gate);
   auto bound = net::publish_registry(sys, s.registry, cfg.serve, token, port, log);
   if (!bound) {

@@ -61,6 +61,11 @@ int main(int argc, char** argv) {
                     "publication.verify = true (byte-exact SHA-256 of every resident tensor) "
                     "and report verified: true only if it committed");
   publish->add_flag("--json", o.as_json, "print one JSON object instead of a table");
+  publish->add_option("--source", o.source,
+                      "the trainer ranks' weights: synthetic (refit's shard store, default) or "
+                      "registered (memory laid out as FSDP2 holds it: unpadded Shard(0) rows, "
+                      "fused experts; published zero copy)")
+    ->check(CLI::IsMember({"synthetic", "registered"}));
   publish->add_option("--bound-reps", o.bound_reps,
                       "memcpy repetitions timed for the bound right after each publication "
                       "(default 3); bound_gbps uses the median of all of them")
