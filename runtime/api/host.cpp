@@ -381,8 +381,16 @@ error host::impl::connect_steps() {
   ro.world = rank->world;
   ro.device = rank->device;
   ro.model = cfg.model;
-  if (weights)
-    ro.weights = {weights->seed, weights->lr, weights->init_scale};
+  if (weights) {
+    // A recipe with model.path: the synthetic steps start from the checkpoint, as the
+    // coordinator's verifier and the runtime's version 0 do.
+    try {
+      ro.weights = {weights->seed, weights->lr, weights->init_scale,
+                    config::trainer_weights(cfg).initial};
+    } catch (const std::exception& e) {
+      return api_error("invalid_argument", "model.path", e.what());
+    }
+  }
   ro.registered = registered;
   for (const auto& f : cfg.trainer.faults)
     if (f.rank == rank->rank)
