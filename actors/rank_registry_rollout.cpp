@@ -22,7 +22,9 @@ namespace {
 std::optional<caf::error> refuse_rollout(self_ptr self, const std::string& token,
                                          const std::string& what) {
   auto& st = self->state;
-  if (!registry_same_secret(token, st.opts.token))
+  // As hello / join / status: the listener's handshake already proved the secret (plain
+  // TCP: peers_authenticated, and the message carries none); with TLS the token travels.
+  if (!st.opts.peers_authenticated && !registry_same_secret(token, st.opts.token))
     return registry_refuse(self, errc::unauthorized, what + ".token",
                   "wrong or missing shared secret (serve.token / serve.token_env)",
                   what + ": wrong token");

@@ -3,6 +3,7 @@
 // test_serve_hostile.cpp (one test binary each).
 #pragma once
 
+#include "free_port.hpp"
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -55,17 +56,7 @@ struct recipe_options {
   std::string runtime_extra;           // more runtime keys, ", key: value, ..."
 };
 
-std::uint16_t free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
+using refit::testing::free_port;
 
 class MultiProcess : public ::testing::Test {
 protected:

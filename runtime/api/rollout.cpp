@@ -9,6 +9,17 @@ namespace refit::api {
 
 namespace {
 
+// As the hello and join: the secret travels only over TLS (to a certificate-verified
+// coordinator); over plain TCP the listener's mutual handshake already proved it.
+std::string wire_token(const host::impl& p) {
+  return p.cfg.serve.tls.enabled ? p.token : std::string();
+}
+
+} // namespace
+
+
+namespace {
+
 rollout_status convert(const engine_status& e) {
   rollout_status s;
   s.committed_version = e.committed_version;
@@ -29,7 +40,7 @@ result<generation> host::generate(const std::vector<std::vector<std::int32_t>>& 
   if (!p.connected)
     return api_error("invalid_state", "generate", "connect first");
   rollout_generate req;
-  req.token = p.token;
+  req.token = wire_token(p);
   req.rank = p.rank->rank;
   req.request.prompts = prompts;
   auto& q = req.request.params;
@@ -86,7 +97,7 @@ result<rollout_status> sleep_or_wake(host::impl& p, const char* what, Msg msg) {
 
 result<rollout_status> host::sleep(std::uint32_t level) {
   rollout_sleep m;
-  m.token = impl_->token;
+  m.token = wire_token(*impl_);
   m.rank = impl_->rank ? impl_->rank->rank : 0;
   m.level = level;
   return sleep_or_wake(*impl_, "sleep", std::move(m));
@@ -94,7 +105,7 @@ result<rollout_status> host::sleep(std::uint32_t level) {
 
 result<rollout_status> host::wake(bool weights, bool kv_cache) {
   rollout_wake m;
-  m.token = impl_->token;
+  m.token = wire_token(*impl_);
   m.rank = impl_->rank ? impl_->rank->rank : 0;
   m.tags.weights = weights;
   m.tags.kv_cache = kv_cache;
@@ -108,7 +119,7 @@ result<rollout_status> host::status() {
   caf::scoped_actor self{*p.sys};
   std::optional<rollout_status> out;
   caf::error err;
-  self->request(p.registry, std::chrono::seconds(30), status_atom::value, p.token)
+  self->request(p.registry, std::chrono::seconds(30), status_atom::value, wire_token(p))
     .receive(
       [&](registry_status& r) {
         auto s = convert(r.engine);

@@ -81,7 +81,7 @@ caf::expected<coordinator_services> start_coordinator(caf::actor_system& sys,
   ro.generate_timeout_ms = cfg.runtime.timeouts_ms.generate + 10000;
   ro.sleep_wake_timeout_ms
     = std::max(cfg.runtime.timeouts_ms.sleep, cfg.runtime.timeouts_ms.wake_up) + 10000;
-  ro.log = std::move(log);
+  ro.log = log; // the listener below logs through it too
   s.registry = sys.spawn(rank_registry, std::move(ro), s.rollout.engine, s.gate);
   auto bound = net::publish_registry(sys, s.registry, cfg.serve, token, port, log);
   if (!bound) {

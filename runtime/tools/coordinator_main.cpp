@@ -284,6 +284,14 @@ void add_fault(refit::config::refit_config& cfg, const std::string& spec) {
                               "nor trainer:RANK:KIND[:TENSOR|CHUNK]");
 }
 
+// The recipe at `path`, or the embedded default (configs/tiny-cpu.yaml) when it is empty.
+refit::config::refit_config load_recipe(const std::string& path) {
+  if (!path.empty())
+    return refit::config::load_file(path);
+  return refit::config::parse_yaml(refit::config::embedded_default_yaml(),
+                                   "<embedded tiny-cpu.yaml>", refit::config::embedded_base_dir());
+}
+
 // `refit-coordinator serve`: hosts the rollout subtree, the ConsensusGate and the RankRegistry
 // (published on serve.host:serve.port) until SIGTERM or SIGINT; trainer processes join it and
 // publish through it. Returns a process exit code.
@@ -295,11 +303,7 @@ int serve_main(const std::string& config_path, const std::string& host, int port
   refit::config::refit_config cfg;
   std::string runtime_exe;
   try {
-    cfg = config_path.empty()
-            ? refit::config::parse_yaml(refit::config::embedded_default_yaml(),
-                                        "<embedded tiny-cpu.yaml>",
-                                        refit::config::embedded_base_dir())
-            : refit::config::load_file(config_path);
+    cfg = load_recipe(config_path);
     if (!host.empty())
       cfg.serve.host = host;
     if (port >= 0)
@@ -438,11 +442,7 @@ int main(int argc, char** argv) {
 
   refit::config::refit_config cfg;
   try {
-    cfg = config_path.empty()
-            ? refit::config::parse_yaml(refit::config::embedded_default_yaml(),
-                                        "<embedded tiny-cpu.yaml>",
-                                        refit::config::embedded_base_dir())
-            : refit::config::load_file(config_path);
+    cfg = load_recipe(config_path);
     if (!model_dir.empty())
       refit::config::use_model_dir(cfg, model_dir);
   } catch (const std::exception& e) {
