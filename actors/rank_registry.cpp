@@ -31,6 +31,12 @@ bool same_secret(const std::string& given, const std::string& expected) {
   return diff == 0;
 }
 
+// Whether a message's token field passes: always when the connection itself was
+// authenticated (the field is then unused), else the shared secret.
+bool token_ok(const rank_registry_state& st, const std::string& given) {
+  return st.opts.peers_authenticated || same_secret(given, st.opts.token);
+}
+
 // "node <id>" of the current message's sender, for logs.
 std::string sender_of(self_ptr self) {
   const auto& s = self->current_sender();
@@ -53,8 +59,8 @@ caf::error registry_refuse(self_ptr self, errc code, const std::string& where,
   return refuse(self, code, where, what, log_what);
 }
 
-bool registry_same_secret(const std::string& given, const std::string& expected) {
-  return same_secret(given, expected);
+bool registry_token_ok(const rank_registry_state& st, const std::string& given) {
+  return token_ok(st, given);
 }
 
 namespace {
@@ -412,7 +418,7 @@ rank_registry_impl::behavior_type rank_registry(self_ptr self, rank_registry_opt
                         + std::to_string(version),
                       "protocol version " + std::to_string(version) + " (this coordinator: "
                         + std::to_string(st.opts.protocol_version) + ")");
-      if (!same_secret(token, st.opts.token))
+      if (!token_ok(st, token))
         return refuse(self, errc::unauthorized, "hello.token",
                       "wrong or missing shared secret (serve.token / serve.token_env)",
                       token.empty() ? "missing token" : "wrong token");
@@ -433,7 +439,7 @@ rank_registry_impl::behavior_type rank_registry(self_ptr self, rank_registry_opt
                         + std::to_string(st.opts.protocol_version) + ", the trainer process "
                         + std::to_string(req.protocol_version),
                       where + ": protocol version " + std::to_string(req.protocol_version));
-      if (!same_secret(req.token, st.opts.token))
+      if (!token_ok(st, req.token))
         return refuse(self, errc::unauthorized, "join.token",
                       "wrong or missing shared secret (serve.token / serve.token_env)",
                       where + ": " + (req.token.empty() ? "missing token" : "wrong token"));
@@ -541,7 +547,7 @@ rank_registry_impl::behavior_type rank_registry(self_ptr self, rank_registry_opt
     },
     [=](status_atom, const std::string& token) -> caf::result<registry_status> {
       auto& st = self->state;
-      if (!same_secret(token, st.opts.token))
+      if (!token_ok(st, token))
         return refuse(self, errc::unauthorized, "status.token",
                       "wrong or missing shared secret (serve.token / serve.token_env)",
                       "status: wrong token");
@@ -554,7 +560,7 @@ rank_registry_impl::behavior_type rank_registry(self_ptr self, rank_registry_opt
       out->publications = st.publications;
       out->failures = st.failures;
       out->rank_losses = st.rank_losses;
-      out->refusals = st.refusals;
+      out->refusals = st.refusals + (st.opts.external_refusals ? st.opts.external_refusals() : 0);
       out->last_error = st.last_error;
       if (st.run) {
         out->publishing = st.run->running;

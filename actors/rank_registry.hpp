@@ -31,6 +31,12 @@ struct rank_registry_options {
   std::uint32_t world = 1;
   std::uint32_t protocol_version = 0;        // refused otherwise (protocol_mismatch)
   std::string token;                         // the shared secret (never logged)
+  // Every remote peer proved the secret before it could send a message (the serve listener's
+  // handshake): the token fields of hello / join / status are then not used (trainers leave
+  // them empty, the secret never travels). False with TLS, where the hello carries it.
+  bool peers_authenticated = false;
+  // Refusals counted outside the registry (the listener's failed handshakes), added to status.
+  std::function<std::uint64_t()> external_refusals;
   std::string manifest_fingerprint;          // the coordinator's model: a rank with another is refused
   std::string identity;                      // "pid <pid> on <host>", sent in the welcome
   sync_coordinator_options coordinator;      // for every epoch's SyncCoordinator

@@ -62,6 +62,16 @@ rollout_supervisor(self_ptr self, config::supervisor_config cfg, proxy_factory f
     st.last_exit = msg.reason ? render(msg.reason) : "normal exit";
     if (st.stopping)
       return;
+    // A deterministic startup failure (the recipe asks for more memory than the machine has)
+    // fails the same way every time: no restart, the engine hears why at once.
+    if (msg.reason && msg.reason.category() == caf::atom("refit")
+        && static_cast<errc>(msg.reason.code()) == errc::preflight_failed) {
+      st.gave_up = true;
+      self->send(st.engine, gave_up_atom::value,
+                 "the runtime cannot start (not retried: a deterministic startup failure, not a "
+                 "crash): " + st.last_exit);
+      return;
+    }
     auto now = self->clock().now();
     auto window = std::chrono::milliseconds(st.cfg.restart_window_ms);
     while (!st.restarts.empty() && now - st.restarts.front() > window)

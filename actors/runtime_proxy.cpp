@@ -11,6 +11,8 @@
 #include "messages/control.pb.h"
 #include "runtime/control/protocol.hpp"
 #include "runtime/control/runtime_channel.hpp"
+#include "runtime/device/device.hpp"
+#include "runtime/publication/memory_preflight.hpp"
 
 namespace refit {
 
@@ -33,6 +35,10 @@ std::vector<std::string> runtime_arguments(const runtime_proxy_options& opts) {
                                 "--max-frame-bytes", std::to_string(rt.max_frame_bytes),
                                 "--seed", std::to_string(opts.seed),
                                 "--init-scale", init_scale};
+  if (!opts.model_path.empty()) {
+    args.emplace_back("--checkpoint");
+    args.push_back(opts.model_path);
+  }
   for (const auto& f : rt.faults) {
     args.emplace_back("--fault");
     args.push_back(f.command + ":" + f.kind + ":" + std::to_string(f.after));
@@ -193,8 +199,16 @@ void handle_channel(self_ptr self, const channel_message& ev) {
       return;
     }
     case channel_event::kind::exited:
-      break_with(self, make_refit_error(errc::runtime_exited, "runtime",
-                                        "the runtime process " + ev.detail));
+      // Exit code 3: refit-runtime's own memory preflight refused (its stderr names the key
+      // and both numbers). Deterministic: reported as preflight_failed, not as a crash.
+      if (ev.detail == "exited with code 3")
+        break_with(self, make_refit_error(errc::preflight_failed, "runtime.kv_cache_bytes",
+                                          "refit-runtime's memory preflight refused to allocate "
+                                          "its KV cache and resident weights (see its stderr); "
+                                          "the runtime process " + ev.detail));
+      else
+        break_with(self, make_refit_error(errc::runtime_exited, "runtime",
+                                          "the runtime process " + ev.detail));
       return;
     case channel_event::kind::reaped:
       on_reaped(self, ev.detail);
@@ -272,6 +286,22 @@ pb::Request request(pb::Command cmd) {
   return protocol::make_request(0, cmd);
 }
 
+caf::error memory_preflight(const runtime_proxy_options& opts) {
+  try {
+    std::vector<device::spec> devices;
+    for (std::size_t r = 0; r < opts.runtime.devices.size(); ++r)
+      devices.push_back(device::parse(opts.runtime.devices[r],
+                                      "runtime.devices[" + std::to_string(r) + "]"));
+    publication::preflight_runtime_memory(opts.model, devices, opts.runtime.kv_cache_bytes);
+  } catch (const publication::memory_refusal& e) {
+    std::string msg = e.what();
+    return make_refit_error(errc::preflight_failed, e.key, msg.substr(e.key.size() + 2));
+  } catch (const std::exception& e) {
+    return make_refit_error(errc::preflight_failed, "runtime", e.what());
+  }
+  return {};
+}
+
 } // namespace
 
 runtime_proxy_impl::behavior_type runtime_proxy(self_ptr self, runtime_proxy_options opts) {
@@ -294,8 +324,17 @@ runtime_proxy_impl::behavior_type runtime_proxy(self_ptr self, runtime_proxy_opt
   proc::spawn_options so;
   so.executable = st.opts.executable_path;
   so.args = runtime_arguments(st.opts);
-  st.channel = std::make_unique<proc::runtime_channel>(std::move(so),
-                                                       st.opts.runtime.max_frame_bytes, forward);
+  so.scrub_env = st.opts.scrub_env; // the shared secret stays in this process
+  // Memory preflight before the process exists: KV cache and resident weights of every TP
+  // worker against MemAvailable / each GPU's free bytes. A refusal is deterministic
+  // (errc::preflight_failed naming the key): the supervisor does not retry it as a crash.
+  if (auto refusal = memory_preflight(st.opts)) {
+    st.ph = runtime_proxy_state::phase::broken;
+    self->quit(refusal);
+  } else {
+    st.channel = std::make_unique<proc::runtime_channel>(std::move(so),
+                                                         st.opts.runtime.max_frame_bytes, forward);
+  }
   // Startup handshake: the first describe must be answered within `startup`; requests that
   // arrive meanwhile queue behind it, so a validated answer is all it has to produce.
   auto hello = request(pb::COMMAND_DESCRIBE);

@@ -24,7 +24,9 @@ struct runtime_proxy_options {
   model::model_config model;
   std::uint64_t seed = 0;            // checkpoint weights of the runtime (version 0)
   float init_scale = 0.02f;          // ... and their scale
+  std::string model_path;            // a Hugging Face model directory ("" = synthetic weights)
   std::string executable_path;       // resolved path of refit-runtime
+  std::vector<std::string> scrub_env; // environment variables the runtime must not inherit
 };
 
 // Builds the refit-runtime command line for `opts` (exposed for tests and docs).

@@ -458,8 +458,10 @@ void begin(self_ptr self, std::shared_ptr<publication_ctx> ctx) {
                                         h.model_version = ctx->version;
                                         h.tp_world_size = ctx->runtime.tp_world_size;
                                         h.manifest_fingerprint = ctx->fingerprint;
-                                        for (const auto& ri : ctx->ranks)
+                                        for (const auto& ri : ctx->ranks) {
                                           h.device_uuids.push_back(ri.device_uuid);
+                                          h.producer_pids.push_back(ri.pid);
+                                        }
                                         h.expected_tensor_count = ctx->expected.size();
                                         h.verify = ctx->verify;
                                         const bool registered

@@ -1,5 +1,7 @@
 #include "actors/trainer_rank.hpp"
 
+#include <unistd.h>
+
 #include <algorithm>
 
 #include <caf/actor_cast.hpp>
@@ -23,6 +25,7 @@ rank_info trainer_rank_state::info(std::uint64_t free_bytes) const {
   out.step = step;
   out.shard_bytes = opts.registered ? opts.registered->bytes() : shards ? shards->bytes() : 0;
   out.peak_materialized_bytes = peak_materialized_bytes;
+  out.pid = static_cast<std::uint32_t>(::getpid());
   out.weight_source = opts.registered ? "registered" : "synthetic";
   return out;
 }

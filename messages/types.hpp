@@ -46,13 +46,19 @@ struct runtime_description {
   std::uint64_t model_version = 0;
   bool weights_valid = false;
   std::uint32_t pid = 0;
+  // Version 0's weights: the model directory loaded at start ("" = synthetic weights).
+  std::string checkpoint_path;
+  std::uint64_t checkpoint_tensors = 0;
+  std::uint64_t checkpoint_bytes = 0;
+  std::string checkpoint_fingerprint;
 };
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, runtime_description& x) {
   return f(caf::meta::type_name("runtime_description"), x.runtime_kind, x.runtime_version,
            x.tp_world_size, x.workers, x.sleep_level, x.weights_awake, x.kv_cache_awake,
-           x.model_version, x.weights_valid, x.pid);
+           x.model_version, x.weights_valid, x.pid, x.checkpoint_path, x.checkpoint_tensors,
+           x.checkpoint_bytes, x.checkpoint_fingerprint);
 }
 
 // ------------------------------------------------------------------ generation
@@ -146,13 +152,16 @@ struct publication_header {
   std::vector<std::string> device_uuids;
   std::uint64_t expected_tensor_count = 0;
   bool verify = false; // ask workers for resident checksums (byte-exact verifier)
+  // Ordered like device_uuids: the process of trainer rank r, whose memfd handles alone TP
+  // worker r maps (host transport).
+  std::vector<std::uint32_t> producer_pids;
 };
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, publication_header& x) {
   return f(caf::meta::type_name("publication_header"), x.protocol_version, x.transport,
            x.publication_id, x.model_version, x.tp_world_size, x.manifest_fingerprint,
-           x.device_uuids, x.expected_tensor_count, x.verify);
+           x.device_uuids, x.expected_tensor_count, x.verify, x.producer_pids);
 }
 
 struct tensor_meta {
@@ -330,13 +339,15 @@ struct rank_info {
   std::uint64_t step = 0;   // synthetic optimizer steps applied
   std::uint64_t shard_bytes = 0;
   std::uint64_t peak_materialized_bytes = 0; // most packed bytes held before a transfer freed them
+  std::uint32_t pid = 0;    // the process holding the rank's packed buffers
   std::string weight_source = "synthetic";   // or "registered": the trainer's own tensors
 };
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, rank_info& x) {
   return f(caf::meta::type_name("rank_info"), x.rank, x.world, x.device, x.device_uuid,
-           x.free_bytes, x.step, x.shard_bytes, x.peak_materialized_bytes, x.weight_source);
+           x.free_bytes, x.step, x.shard_bytes, x.peak_materialized_bytes, x.pid,
+           x.weight_source);
 }
 
 // Sent to every rank before any materialization: each rank re-plans from its own model

@@ -24,7 +24,7 @@ trainer=example/refit-example-trainer
 [ -x "$trainer" ] || fail "no example trainer was built"
 
 export REFIT_TOKEN="install-test-secret-$$-$RANDOM$RANDOM"
-sed '/^# Multi-process deployment/,$d' "$src/configs/tiny-cpu.yaml" > recipe.yaml
+sed '/^# Multi-process deployment/,$d' "$src/configs/tiny-synthetic.yaml" > recipe.yaml
 cat >> recipe.yaml <<EOF
 serve: {host: 127.0.0.1, port: 0, token_env: REFIT_TOKEN, world_size: 2}
 EOF

@@ -24,6 +24,18 @@ inline model::model_config tiny_model(std::uint32_t vocab = 256, bool tied = fal
   return c;
 }
 
+// A dense qwen3 of the same attention shape: MLP width 96, tied embeddings.
+inline model::model_config tiny_dense_model(std::uint32_t vocab = 256) {
+  model::model_config c = tiny_model(vocab, true);
+  c.model_type = "qwen3";
+  c.num_experts = 0;
+  c.num_experts_per_tok = 0;
+  c.moe_intermediate_size = 0;
+  c.intermediate_size = 96;
+  model::normalize_dense(c);
+  return c;
+}
+
 // The real Qwen3-30B-A3B shape (field-notes.md).
 inline model::model_config qwen3_30b_a3b() {
   model::model_config c;

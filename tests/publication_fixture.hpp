@@ -33,7 +33,7 @@ inline std::set<std::string> shm_entries() {
 }
 
 inline config::refit_config tiny_config(std::uint32_t tp) {
-  auto cfg = config::parse_yaml(config::embedded_default_yaml(), "<embedded>");
+  auto cfg = config::load_file(std::string(REFIT_SOURCE_DIR) + "/configs/tiny-synthetic.yaml");
   cfg.runtime.tp_size = tp;
   cfg.runtime.devices.clear();
   for (std::uint32_t r = 0; r < tp; ++r)

@@ -32,7 +32,7 @@ run_result run(const std::string& args) {
   return refit::testing::run_command(bench_exe() + " " + args);
 }
 
-std::string tiny_config() { return std::string(REFIT_SOURCE_DIR) + "/configs/tiny-cpu.yaml"; }
+std::string tiny_config() { return std::string(REFIT_SOURCE_DIR) + "/configs/tiny-synthetic.yaml"; }
 
 TEST(Bench, PublishReportIsCompleteAndConsistent) {
   auto r = run("publish --config " + tiny_config()

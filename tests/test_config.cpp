@@ -9,6 +9,7 @@
 #include <fstream>
 #include <string>
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 namespace {
@@ -103,8 +104,28 @@ void expect_same_config(const config::refit_config& a, const config::refit_confi
 
 // --- shipped configs ---------------------------------------------------------------------
 
-TEST(ConfigShipped, TinyCpuParses) {
+TEST(ConfigShipped, TinyCpuServesTheCommittedCheckpointFromItsConfigJson) {
   const auto cfg = config::load_file(source_dir + "/configs/tiny-cpu.yaml");
+  EXPECT_EQ(cfg.model_path, std::filesystem::path(source_dir + "/tests/data/models/tiny-kjv")
+                              .lexically_normal()
+                              .string());
+  // config.json as transformers 5.17 wrote it (num_local_experts, dtype, rope_parameters).
+  EXPECT_EQ(cfg.model.model_type, "qwen3_moe");
+  EXPECT_EQ(cfg.model.num_hidden_layers, 4u);
+  EXPECT_EQ(cfg.model.hidden_size, 128u);
+  EXPECT_EQ(cfg.model.num_experts, 8u);
+  EXPECT_EQ(cfg.model.vocab_size, 2112u);
+  EXPECT_EQ(cfg.model.rope_theta, 1e6);
+  EXPECT_FALSE(cfg.model.norm_topk_prob);
+  // Fields given next to the path must agree with config.json.
+  auto text = std::string("model: {path: ") + source_dir
+              + "/tests/data/models/tiny-kjv, hidden_size: 64}\n";
+  expect_error(text, "model.hidden_size", "differs from");
+  expect_error("model: {path: /nonexistent/model}\n", "model.path", "/nonexistent/model");
+}
+
+TEST(ConfigShipped, TinySyntheticParses) {
+  const auto cfg = config::load_file(source_dir + "/configs/tiny-synthetic.yaml");
   EXPECT_EQ(cfg.model.model_type, "qwen3_moe");
   EXPECT_EQ(cfg.model.num_hidden_layers, 2u);
   EXPECT_EQ(cfg.model.hidden_size, 64u);
@@ -151,7 +172,8 @@ TEST(ConfigShipped, Qwen3_30bA3bParses) {
 }
 
 TEST(ConfigShipped, EmbeddedDefaultEqualsTinyCpuFile) {
-  const auto embedded = config::parse_yaml(config::embedded_default_yaml(), "<embedded>");
+  const auto embedded = config::parse_yaml(config::embedded_default_yaml(), "<embedded>",
+                                           config::embedded_base_dir());
   const auto file = config::load_file(source_dir + "/configs/tiny-cpu.yaml");
   expect_same_config(embedded, file);
 }
@@ -359,12 +381,14 @@ TEST(ConfigRanges, SupervisorBackoff) {
 }
 
 TEST(ConfigRanges, JobIterations) {
-  expect_error(tiny_model + "job: {iterations: 0}\n", "job.iterations",
-               "0 is too small (minimum 1)");
+  expect_error(tiny_model + "job: {iterations: 1000001}\n", "job.iterations",
+               "1000001 is out of range");
+  EXPECT_EQ(config::parse_yaml(tiny_model + "job: {iterations: 0}\n").job.iterations, 0u)
+    << "0 = the bootstrap generation only";
 }
 
 TEST(ConfigRanges, RangeErrorsNameTheirLocation) {
-  expect_error(tiny_model + "job:\n  iterations: 0\n", "job.iterations", "(at test.yaml:3:15)");
+  expect_error(tiny_model + "job:\n  max_tokens: 0\n", "job.max_tokens", "(at test.yaml:3:15)");
 }
 
 // --- devices ------------------------------------------------------------------------------------
@@ -432,7 +456,7 @@ TEST(ConfigModel, ValidateCatchesConfigsBuiltInCode) {
 }
 
 TEST(ConfigModel, ModelYamlRoundTrip) {
-  for (const char* file : {"/configs/tiny-cpu.yaml", "/configs/qwen3-30b-a3b.yaml"}) {
+  for (const char* file : {"/configs/tiny-cpu.yaml", "/configs/tiny-synthetic.yaml", "/configs/qwen3-30b-a3b.yaml"}) {
     const auto m = config::load_file(source_dir + file).model;
     const std::string text = config::model_to_yaml(m);
     EXPECT_EQ(text.find('\n'), std::string::npos) << text;
@@ -451,11 +475,11 @@ TEST(ConfigModel, ModelYamlRoundTrip) {
 }
 
 TEST(ConfigModel, ModelYamlRendersAFlowMap) {
-  const auto m = config::load_file(source_dir + "/configs/tiny-cpu.yaml").model;
+  const auto m = config::load_file(source_dir + "/configs/tiny-synthetic.yaml").model;
   EXPECT_EQ(config::model_to_yaml(m),
             "{model_type: qwen3_moe, num_hidden_layers: 2, hidden_size: 64,"
             " num_attention_heads: 4, num_key_value_heads: 2, head_dim: 16, num_experts: 4,"
-            " num_experts_per_tok: 2, moe_intermediate_size: 32, vocab_size: 256,"
+            " num_experts_per_tok: 2, moe_intermediate_size: 32, intermediate_size: 0, vocab_size: 256,"
             " tie_word_embeddings: false, rms_norm_eps: 1e-06, rope_theta: 1e+06,"
             " norm_topk_prob: true, torch_dtype: bfloat16, quantization: \"\", lora: false}");
 }
@@ -511,7 +535,8 @@ void expect_round_trip(const config::refit_config& cfg) {
 
 TEST(ConfigYaml, EveryShippedRecipeRoundTrips) {
   for (const char* file :
-       {"/configs/tiny-cpu.yaml", "/configs/bench-cpu.yaml", "/configs/qwen3-30b-a3b.yaml"})
+       {"/configs/tiny-cpu.yaml", "/configs/tiny-synthetic.yaml", "/configs/bench-cpu.yaml",
+        "/configs/qwen3-30b-a3b.yaml"})
     expect_round_trip(config::load_file(source_dir + file));
 }
 
@@ -560,7 +585,7 @@ TEST(ConfigFiles, MissingFileNamesThePath) {
     FAIL() << "loaded a missing file";
   } catch (const config_error& e) {
     EXPECT_EQ(e.key, "");
-    EXPECT_THAT(e.what(), HasSubstr("cannot open config file '" + path + "'"));
+    EXPECT_THAT(e.what(), HasSubstr("config file '" + path + "': cannot open"));
   }
 }
 
@@ -569,8 +594,33 @@ TEST(ConfigFiles, DirectoryIsRejected) {
     config::load_file(source_dir + "/configs");
     FAIL() << "loaded a directory";
   } catch (const config_error& e) {
-    EXPECT_THAT(e.what(), HasSubstr("it is a directory"));
+    EXPECT_THAT(e.what(), HasSubstr("is a directory, not a regular file"));
   }
+}
+
+// Only regular files of bounded size are read: /dev/zero, a FIFO or a huge (sparse) file is
+// refused before a byte of it is buffered, naming the file.
+TEST(ConfigFiles, UnboundedOrSpecialFilesAreRefusedNamingTheFile) {
+  auto refused = [](const std::string& path) -> std::string {
+    try {
+      config::load_file(path);
+    } catch (const config_error& e) {
+      return e.what();
+    }
+    return "<loaded>";
+  };
+  auto zero = refused("/dev/zero");
+  EXPECT_THAT(zero, HasSubstr("config file '/dev/zero': is a character device, not a regular file"));
+  const auto dir = std::filesystem::temp_directory_path();
+  const auto fifo = (dir / ("refit-test-fifo-" + std::to_string(::getpid()))).string();
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  EXPECT_THAT(refused(fifo), HasSubstr("'" + fifo + "': is a FIFO")) << "and open() did not block";
+  std::filesystem::remove(fifo);
+  const auto huge = (dir / ("refit-test-huge-" + std::to_string(::getpid()) + ".yaml")).string();
+  std::ofstream(huge).close();
+  std::filesystem::resize_file(huge, 17u << 20); // sparse: no disk used
+  EXPECT_THAT(refused(huge), HasSubstr("has 17825792 bytes, more than the 16777216-byte cap"));
+  std::filesystem::remove(huge);
 }
 
 TEST(ConfigFiles, ParseErrorsNameTheFile) {
@@ -682,9 +732,19 @@ TEST(ConfigServe, RangesAndCrossChecks) {
   expect_error(base + "serve: {" + token + ", tls: {enabled: true, certificate: c.pem, key: k.pem}}\n",
                "serve.tls.cafile", "verifies the peers");
   expect_error(base + "serve: {" + token + ", tls: {enabled: true, cafile: ca.pem}}\n",
-               "serve.tls.cafile", "needs serve.tls.certificate");
-  // Anonymous encryption: enabled alone is valid.
-  EXPECT_TRUE(config::parse_yaml(base + "serve: {" + token + ", tls: {enabled: true}}\n").serve.tls.enabled);
+               "serve.tls.certificate", "anonymous TLS authenticates neither side");
+  // Anonymous encryption would hand the hello's token to whoever holds the port: refused.
+  expect_error(base + "serve: {" + token + ", tls: {enabled: true}}\n", "serve.tls.certificate",
+               "an impostor listener would receive the shared secret");
+  // The listener's handshake bounds.
+  expect_error(base + "serve: {" + token + ", handshake_timeout_ms: 0}\n",
+               "serve.handshake_timeout_ms", "out of range");
+  expect_error(base + "serve: {" + token + ", max_pending_handshakes: 0}\n",
+               "serve.max_pending_handshakes", "out of range");
+  auto bounded = config::parse_yaml(base + "serve: {" + token
+                                    + ", handshake_timeout_ms: 750, max_pending_handshakes: 8}\n");
+  EXPECT_EQ(bounded.serve.handshake_timeout_ms, 750u);
+  EXPECT_EQ(bounded.serve.max_pending_handshakes, 8u);
 }
 
 } // namespace
@@ -704,7 +764,7 @@ TEST(ConfigTransport, FollowsTheDevicesWhenLeftOutAndMustMatchThemWhenGiven) {
 
 // Every shipped recipe is valid, and its transport matches its devices.
 TEST(ConfigRecipes, EveryShippedRecipeLoads) {
-  for (const char* file : {"/configs/tiny-cpu.yaml", "/configs/bench-cpu.yaml",
+  for (const char* file : {"/configs/tiny-cpu.yaml", "/configs/tiny-synthetic.yaml", "/configs/bench-cpu.yaml",
                            "/configs/tiny-gpu.yaml", "/configs/qwen3-30b-a3b.yaml",
                            "/configs/qwen3-30b-a3b-tp4.yaml"}) {
     const auto cfg = config::load_file(source_dir + file);
@@ -712,4 +772,21 @@ TEST(ConfigRecipes, EveryShippedRecipeLoads) {
     EXPECT_EQ(cfg.publication.transport, gpu ? "cuda_ipc" : "shm") << file;
     EXPECT_EQ(cfg.runtime.devices.size(), cfg.runtime.tp_size) << file;
   }
+}
+
+TEST(ConfigModel, DenseQwen3NeedsIntermediateSizeAndRoundTrips) {
+  const std::string dense =
+    "model: {model_type: qwen3, num_hidden_layers: 2, hidden_size: 64, num_attention_heads: 4,"
+    " num_key_value_heads: 2, head_dim: 16, intermediate_size: 96, vocab_size: 256,"
+    " tie_word_embeddings: true}\n";
+  const auto cfg = refit::config::parse_yaml(dense, "dense.yaml");
+  EXPECT_TRUE(cfg.model.dense());
+  EXPECT_EQ(cfg.model.num_experts, 1u);
+  EXPECT_EQ(cfg.model.num_experts_per_tok, 1u);
+  EXPECT_EQ(cfg.model.moe_intermediate_size, 96u);
+  const auto again = refit::config::parse_model_yaml(refit::config::model_to_yaml(cfg.model), "m");
+  EXPECT_EQ(refit::config::model_to_yaml(again), refit::config::model_to_yaml(cfg.model));
+  std::string missing = dense;
+  missing.replace(missing.find(" intermediate_size: 96,"), 23, "");
+  expect_error(missing, "model.intermediate_size", "required key is missing");
 }

@@ -59,7 +59,7 @@ struct matrix_case {
 };
 
 config::refit_config det_config(const std::string& journal_path) {
-  auto cfg = config::parse_yaml(config::embedded_default_yaml(), "<embedded>");
+  auto cfg = config::load_file(std::string(REFIT_SOURCE_DIR) + "/configs/tiny-synthetic.yaml");
   cfg.publication.verify = false;          // the verifier's worker thread has no place here
   cfg.publication.memory_headroom_bytes = 0;
   cfg.publication.gate_deadline_ms = 500;

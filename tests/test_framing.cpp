@@ -1020,7 +1020,7 @@ TEST(ValidateResponse, FailedResponseWithErrorIsAccepted) {
 }
 
 TEST(ValidateResponse, WrongProtocolVersion) {
-  for (std::uint32_t version : {0u, 2u, 0xffffffffu}) {
+  for (std::uint32_t version : {0u, wire::protocol_version + 1, 0xffffffffu}) {
     ASSERT_NE(version, wire::protocol_version);
     auto rsp = ok_response(1, pb::COMMAND_DESCRIBE);
     rsp.set_protocol_version(version);
@@ -1165,6 +1165,7 @@ refit::publication_header sample_header() {
   h.manifest_fingerprint = std::string(64, 'a');
   h.device_uuids = {"GPU-00000000-0000-0000-0000-000000000001", "GPU-2", "CPU-0"};
   h.expected_tensor_count = 291;
+  h.producer_pids = {101, 202, 303};
   return h;
 }
 
@@ -1194,6 +1195,7 @@ TEST(ProtocolConversions, PublicationHeaderRoundTrip) {
   EXPECT_EQ(back.manifest_fingerprint, h.manifest_fingerprint);
   EXPECT_EQ(back.device_uuids, h.device_uuids);
   EXPECT_EQ(back.expected_tensor_count, h.expected_tensor_count);
+  EXPECT_EQ(back.producer_pids, h.producer_pids);
 }
 
 TEST(ProtocolConversions, DefaultPublicationHeaderRoundTrip) {

@@ -16,11 +16,21 @@
 namespace refit::testing {
 namespace {
 
-bool have_gpus(int n) { return cuda::device_count() >= n; }
+// CUDA devices this process sees; 0 when CUDA sees none (e.g. CUDA_VISIBLE_DEVICES=1,0 on a
+// one-GPU machine, where cudaGetDeviceCount fails): the test then skips instead of failing.
+int visible_gpus() {
+  try {
+    return cuda::device_count();
+  } catch (const std::exception&) {
+    return 0;
+  }
+}
+
+bool have_gpus(int n) { return visible_gpus() >= n; }
 
 #define REQUIRE_GPUS(n)                                                                      \
   if (!have_gpus(n))                                                                         \
-  GTEST_SKIP() << "needs " << (n) << " CUDA devices, this process sees " << cuda::device_count()
+  GTEST_SKIP() << "needs " << (n) << " CUDA devices, this process sees " << visible_gpus()
 
 config::refit_config gpu_config(std::vector<std::string> devices) {
   auto cfg = tiny_config(static_cast<std::uint32_t>(devices.size()));

@@ -949,3 +949,105 @@ TEST(Synthetic, FillsHundredMegabytesQuickly) {
 }
 
 } // namespace
+
+// ---------------------------------------------------------------------------------------
+// Dense qwen3: one always-chosen expert whose router row stays zero
+// ---------------------------------------------------------------------------------------
+
+TEST(DenseModel, KeyStreamHasTheHfDenseMlpNamesAndNoRouter) {
+  const auto cfg = refit::testing::tiny_dense_model();
+  const auto stream = expected_key_stream(cfg);
+  std::vector<std::string> layer0;
+  for (const auto& p : stream)
+    if (p.name.rfind("model.layers.0.", 0) == 0)
+      layer0.push_back(p.name.substr(15));
+  const std::vector<std::string> expected = {
+    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+    "mlp.gate_proj.weight",    "mlp.up_proj.weight",      "mlp.down_proj.weight",
+    "input_layernorm.weight",  "post_attention_layernorm.weight"};
+  EXPECT_EQ(layer0, expected);
+  for (const auto& p : stream) {
+    if (p.name == "model.layers.1.mlp.gate_proj.weight")
+      EXPECT_EQ(p.shape, (std::vector<std::int64_t>{96, 64}));
+    if (p.name == "model.layers.1.mlp.down_proj.weight")
+      EXPECT_EQ(p.shape, (std::vector<std::int64_t>{64, 96}));
+    EXPECT_NE(p.name, "lm_head.weight") << "tied embeddings";
+  }
+  // 1 embed + 2 layers x 11 + final norm.
+  EXPECT_EQ(stream.size(), 1u + 2u * 11u + 1u);
+}
+
+TEST(DenseModel, MlpLandsLikeExpertZeroOfAOneExpertMoeAndTheRouterStaysUnplaced) {
+  const auto dense = refit::testing::tiny_dense_model();
+  auto moe = dense;
+  moe.model_type = "qwen3_moe"; // same numbers: 1 expert, top-1, width 96
+  for (std::uint32_t tp : {1u, 2u, 4u}) {
+    const tp_layout dl(dense, tp), ml(moe, tp);
+    ASSERT_EQ(dl.residents().size(), ml.residents().size());
+    for (std::size_t i = 0; i < dl.residents().size(); ++i)
+      EXPECT_EQ(dl.residents()[i].shape, ml.residents()[i].shape) << dl.residents()[i].name;
+    const std::pair<const char*, const char*> pairs[] = {
+      {"mlp.gate_proj.weight", "mlp.experts.0.gate_proj.weight"},
+      {"mlp.up_proj.weight", "mlp.experts.0.up_proj.weight"},
+      {"mlp.down_proj.weight", "mlp.experts.0.down_proj.weight"}};
+    for (const auto& [d, m] : pairs) {
+      const auto dp = param_meta{std::string("model.layers.1.") + d,
+                                        d == std::string("mlp.down_proj.weight")
+                                          ? std::vector<std::int64_t>{64, 96}
+                                          : std::vector<std::int64_t>{96, 64},
+                                        dense.torch_dtype};
+      auto mp = dp;
+      mp.name = std::string("model.layers.1.") + m;
+      for (std::uint32_t r = 0; r < tp; ++r) {
+        const auto a = dl.place(dp, r), b = ml.place(mp, r);
+        ASSERT_EQ(a.size(), b.size()) << d;
+        for (std::size_t k = 0; k < a.size(); ++k) {
+          EXPECT_EQ(a[k].resident_index, b[k].resident_index);
+          EXPECT_EQ(a[k].src_offset, b[k].src_offset);
+          EXPECT_EQ(a[k].dst_offset, b[k].dst_offset);
+          EXPECT_EQ(a[k].rows, b[k].rows);
+        }
+      }
+    }
+    // Nothing in the dense stream writes the router resident: it stays zero, so the softmax
+    // over one expert is exactly 1.
+    const std::size_t router = dl.resident_index("model.layers.0.mlp.gate.weight");
+    for (const auto& p : expected_key_stream(dense))
+      for (std::uint32_t r = 0; r < tp; ++r)
+        for (const auto& pl : dl.place(p, r))
+          EXPECT_NE(pl.resident_index, router) << p.name;
+    // MoE names are not part of a dense model.
+    EXPECT_THROW(dl.place(param_meta{"model.layers.0.mlp.gate.weight", {1, 64},
+                                            dense.torch_dtype}, 0),
+                 model_error);
+  }
+}
+
+TEST(DenseModel, ValidationNamesTheOffendingKey) {
+  auto cfg = refit::testing::tiny_dense_model();
+  cfg.intermediate_size = 0;
+  cfg.moe_intermediate_size = 0;
+  try {
+    validate(cfg, 1);
+    FAIL() << "accepted intermediate_size 0";
+  } catch (const model_error& e) {
+    EXPECT_EQ(e.where, "model.intermediate_size");
+  }
+  cfg = refit::testing::tiny_dense_model();
+  cfg.num_experts = 4;
+  try {
+    validate(cfg, 1);
+    FAIL() << "accepted experts on a dense model";
+  } catch (const model_error& e) {
+    EXPECT_EQ(e.where, "model.num_experts");
+  }
+  cfg = refit::testing::tiny_dense_model();
+  cfg.model_type = "llama";
+  try {
+    validate(cfg, 1);
+    FAIL() << "accepted llama";
+  } catch (const model_error& e) {
+    EXPECT_NE(std::string(e.what()).find("'llama'"), std::string::npos);
+  }
+}

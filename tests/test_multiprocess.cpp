@@ -3,318 +3,9 @@
 // refit-runtime child, all talking through CAF's middleman. Byte-exact publications, a trainer
 // SIGKILLed during chunk materialization, refused joins (token, protocol version, interface), a
 // coordinator restart while ranks wait, the publish barrier, TLS; no process is left behind.
-#include "free_port.hpp"
-
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-
-#include <chrono>
-#include <cstdio>
-#include <filesystem>
-#include <fstream>
-#include <memory>
-#include <random>
-#include <thread>
-
-#include <caf/actor_system.hpp>
-#include <caf/actor_system_config.hpp>
-#include <caf/scoped_actor.hpp>
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
-#include <nlohmann/json.hpp>
-
-#include "actors/sync_coordinator.hpp"
-#include "child_process.hpp"
-#include "runtime/system/bootstrap.hpp"
-#include "runtime/model/qwen3_moe.hpp"
-#include "runtime/system/network.hpp"
-#include "runtime/control/protocol_version.hpp"
+#include "multiprocess_fixture.hpp"
 
 namespace {
-
-using namespace refit;
-using namespace refit::testing;
-using namespace std::chrono_literals;
-using json = nlohmann::json;
-using ::testing::HasSubstr;
-using ::testing::Not;
-
-const std::string coordinator_exe = REFIT_COORDINATOR_EXE;
-const std::string trainer_exe = REFIT_TEST_TRAINER_EXE;
-
-struct recipe_options {
-  std::uint32_t port = 0;
-  bool embedded = false;
-  std::string trainer_faults;          // YAML flow sequence for trainer.faults
-  std::uint32_t gate_deadline_ms = 30000;
-  std::uint32_t barrier_ms = 60000;
-  std::uint32_t republish_attempts = 1;
-  std::uint32_t join_timeout_ms = 10000;
-  std::string tls;                     // YAML flow map for serve.tls
-  std::string runtime_faults;          // YAML flow sequence for runtime.faults
-};
-
-using refit::testing::free_port;
-
-class MultiProcess : public ::testing::Test {
-protected:
-  std::string dir;
-  std::string token;
-  config::refit_config tiny = config::parse_yaml(config::embedded_default_yaml(), "<embedded>");
-  std::unique_ptr<child_process> coordinator;
-  std::uint16_t port = 0;
-  std::string serving_line; // what refit-coordinator serve printed once listening
-
-  void SetUp() override {
-    std::random_device rd;
-    token = "refit-test-secret-" + std::to_string(rd()) + std::to_string(rd());
-    dir = ::testing::TempDir() + "refit-mp-" + std::to_string(::getpid()) + "-"
-          + ::testing::UnitTest::GetInstance()->current_test_info()->name() + "/";
-    std::filesystem::create_directories(dir);
-  }
-
-  void TearDown() override {
-    if (coordinator) {
-      coordinator->signal(SIGTERM);
-      coordinator->wait(30s);
-    }
-    if (!HasFailure()) // logs of a failed test stay for a look
-      std::filesystem::remove_all(dir);
-  }
-
-  std::string write_recipe(const std::string& name, const recipe_options& o) {
-    std::string path = dir + name;
-    std::ofstream(path)
-      << "model: " << config::model_to_yaml(tiny.model) << "\n"
-      << "runtime: {executable: " << REFIT_RUNTIME_EXE
-      << ", tp_size: 2, devices: [cpu:0, cpu:1], kill_grace_ms: 300"
-      << (o.runtime_faults.empty() ? "" : ", faults: " + o.runtime_faults) << "}\n"
-      << "supervisor: {max_restarts: 3, backoff_initial_ms: 20, backoff_max_ms: 100}\n"
-      << "trainer: {lr: 0.001, init_scale: 0.02"
-      << (o.trainer_faults.empty() ? "" : ", faults: " + o.trainer_faults) << "}\n"
-      << "publication: {buffer_bytes: 65536, buffer_count: 2, verify: true, gate_deadline_ms: "
-      << o.gate_deadline_ms << ", memory_headroom_bytes: 1048576, republish_attempts: "
-      << o.republish_attempts << "}\n"
-      << "job: {seed: 1234}\n"
-      << "serve: {host: 127.0.0.1, port: " << o.port << ", token_env: REFIT_TEST_TOKEN, world_size: 2"
-      << ", embedded: " << (o.embedded ? "true" : "false") << ", publish_barrier_ms: " << o.barrier_ms
-      << ", join_timeout_ms: " << o.join_timeout_ms
-      << (o.tls.empty() ? "" : ", tls: " + o.tls) << "}\n";
-    return path;
-  }
-
-  // Starts `refit-coordinator serve` and reads the port it prints.
-  void start_coordinator(const std::string& recipe, std::uint16_t on_port = 0) {
-    coordinator = std::make_unique<child_process>(
-      std::vector<std::string>{coordinator_exe, "serve", "-c", recipe, "--port", std::to_string(on_port)},
-      dir + "coordinator-" + std::to_string(++coordinators_) + ".stderr",
-      std::vector<std::pair<std::string, std::string>>{{"REFIT_TEST_TOKEN", token}});
-    auto line = coordinator->read_line(60s);
-    ASSERT_TRUE(line) << "no 'serving' line; stderr:\n" << coordinator->stderr_text();
-    serving_line = *line;
-    auto at = line->find("127.0.0.1:");
-    ASSERT_NE(at, std::string::npos) << *line;
-    port = static_cast<std::uint16_t>(std::stoi(line->substr(at + 10)));
-  }
-
-  std::unique_ptr<child_process> spawn_trainer(const std::string& recipe, std::uint32_t rank,
-                                               std::vector<std::string> extra = {},
-                                               const std::string& secret = "") {
-    std::vector<std::string> argv{trainer_exe, "--config", recipe, "--rank", std::to_string(rank),
-                                  "--port", std::to_string(port)};
-    argv.insert(argv.end(), extra.begin(), extra.end());
-    return std::make_unique<child_process>(
-      argv, dir + "trainer-" + std::to_string(rank) + "-" + std::to_string(++trainers_) + ".stderr",
-      std::vector<std::pair<std::string, std::string>>{
-        {"REFIT_TEST_TOKEN", secret.empty() ? token : secret}});
-  }
-
-  // Spawns a trainer and waits until it joined.
-  std::unique_ptr<child_process> trainer(const std::string& recipe, std::uint32_t rank,
-                                         std::vector<std::string> extra = {}) {
-    auto t = spawn_trainer(recipe, rank, std::move(extra));
-    auto line = read_json(*t, 60s);
-    EXPECT_EQ(line.value("event", ""), "connected")
-      << line.dump() << "\n" << t->stderr_text()
-      << (coordinator ? "\ncoordinator:\n" + coordinator->stderr_text() : std::string());
-    return t;
-  }
-
-  // Spawns rank 0, then rank 1, each waiting until it joined.
-  std::pair<std::unique_ptr<child_process>, std::unique_ptr<child_process>> trainers(const std::string& recipe) {
-    auto t0 = trainer(recipe, 0);
-    auto t1 = trainer(recipe, 1);
-    return {std::move(t0), std::move(t1)};
-  }
-
-  static json read_json(child_process& p, std::chrono::milliseconds timeout) {
-    auto line = p.read_line(timeout);
-    if (!line)
-      return json{{"event", "<no answer>"}};
-    return json::parse(*line);
-  }
-
-  static json command(child_process& p, const std::string& cmd, std::chrono::milliseconds timeout = 120s) {
-    p.send(cmd);
-    return read_json(p, timeout);
-  }
-
-  // Every trainer publishes `version`; returns their answers in rank order.
-  static std::vector<json> publish_all(const std::vector<child_process*>& ts, std::uint64_t version) {
-    for (auto* t : ts)
-      t->send("publish " + std::to_string(version));
-    std::vector<json> out;
-    for (auto* t : ts)
-      out.push_back(read_json(*t, 180s));
-    return out;
-  }
-
-  // The result is the committed `version`, every TP worker's resident bytes equal the trainer's
-  // weights at `step` (checked here, independently of the coordinator's verifier).
-  void expect_byte_exact(const json& r, std::uint64_t version, std::uint64_t step) {
-    ASSERT_TRUE(r.value("ok", false)) << r.dump();
-    EXPECT_EQ(r["version"], version);
-    EXPECT_EQ(r["trainer_ranks"], 2);
-    EXPECT_EQ(r["tp"], 2);
-    EXPECT_GT(r["chunks"].get<int>(), 1) << "64 KiB buffers force several chunks";
-    auto expected = expected_resident_checksums(
-      tiny.model, 2, {tiny.job.seed, tiny.trainer.lr, tiny.trainer.init_scale}, step);
-    ASSERT_EQ(r["receipts"].size(), 2u);
-    for (std::uint32_t w = 0; w < 2; ++w) {
-      const auto& got = r["receipts"][w];
-      EXPECT_EQ(got["tp_rank"], w);
-      ASSERT_EQ(got["checksums"].size(), expected[w].checksums.size());
-      for (std::size_t i = 0; i < expected[w].checksums.size(); ++i) {
-        EXPECT_EQ(got["checksums"][i][0], expected[w].checksums[i].name);
-        EXPECT_EQ(got["checksums"][i][1], expected[w].checksums[i].digest)
-          << "TP worker " << w << " " << expected[w].checksums[i].name << " at step " << step;
-      }
-    }
-  }
-
-  pid_t runtime_pid(pid_t parent) {
-    for (int i = 0; i < 200; ++i) {
-      auto kids = children_named(parent, "refit-runtime");
-      if (kids.size() == 1)
-        return kids.front();
-      std::this_thread::sleep_for(25ms);
-    }
-    ADD_FAILURE() << "no single refit-runtime child of " << parent;
-    return -1;
-  }
-
-  static bool gone_within(pid_t pid, std::chrono::milliseconds timeout) {
-    auto until = std::chrono::steady_clock::now() + timeout;
-    while (std::chrono::steady_clock::now() < until) {
-      if (!process_alive(pid))
-        return true;
-      std::this_thread::sleep_for(20ms);
-    }
-    return false;
-  }
-
-  void stop_coordinator_cleanly() {
-    ASSERT_TRUE(coordinator);
-    auto rt = children_named(coordinator->pid(), "refit-runtime");
-    coordinator->signal(SIGTERM);
-    auto rc = coordinator->wait(60s);
-    ASSERT_TRUE(rc) << "refit-coordinator did not exit on SIGTERM";
-    EXPECT_EQ(*rc, 0) << coordinator->stderr_text();
-    EXPECT_THAT(coordinator->stderr_text(), HasSubstr("runtime shut down cleanly"));
-    for (auto pid : rt)
-      EXPECT_TRUE(gone_within(pid, 5s)) << "orphaned refit-runtime " << pid;
-    coordinator.reset();
-  }
-
-  static void quit(std::unique_ptr<child_process>& t) {
-    t->send("quit");
-    auto rc = t->wait(30s);
-    EXPECT_TRUE(rc && *rc == 0) << "trainer did not quit cleanly: " << t->stderr_text();
-    t.reset();
-  }
-
-  // The trainers quit (in this order), then the coordinator stops cleanly.
-  template <class... Trainers>
-  void quit_and_stop(Trainers&... ts) {
-    (quit(ts), ...);
-    stop_coordinator_cleanly();
-  }
-
-  int coordinators_ = 0;
-  int trainers_ = 0;
-};
-
-// A CAF client of its own, speaking the wire protocol directly (no embedding API).
-class raw_client {
-public:
-  explicit raw_client(const config::serve_config& serve) : serve_(serve) {
-    configure(cfg_);
-    net::configure_network(cfg_, serve);
-    sys_ = std::make_unique<caf::actor_system>(cfg_);
-  }
-  caf::actor_system& sys() { return *sys_; }
-  const config::serve_config& serve() const { return serve_; }
-
-  caf::expected<rank_registry_actor> connect(std::uint16_t port) {
-    return net::connect_registry(*sys_, serve_, "127.0.0.1", port, 10s);
-  }
-
-  caf::error hello(const rank_registry_actor& r, std::uint32_t version, const std::string& token) {
-    caf::scoped_actor self{*sys_};
-    caf::error err;
-    self->request(r, 10s, hello_atom::value, version, token)
-      .receive([](welcome&, consensus_gate_actor&) {}, [&](caf::error& e) { err = std::move(e); });
-    return err;
-  }
-
-  // Joins with `req` but no rank or host actor behind it: what the registry answers.
-  caf::error join(const rank_registry_actor& r, const join_request& req) {
-    caf::scoped_actor self{*sys_};
-    caf::error err;
-    self->request(r, 10s, join_atom::value, req, trainer_rank_actor{}, trainer_host_actor{})
-      .receive([](join_ack&) {}, [&](caf::error& e) { err = std::move(e); });
-    return err;
-  }
-
-  caf::expected<registry_status> status(const rank_registry_actor& r, const std::string& token) {
-    caf::scoped_actor self{*sys_};
-    caf::expected<registry_status> out{caf::error{}};
-    self->request(r, 10s, status_atom::value, token)
-      .receive([&](registry_status& s) { out = std::move(s); },
-               [&](caf::error& e) { out = std::move(e); });
-    return out;
-  }
-
-private:
-  config::serve_config serve_;
-  caf::actor_system_config cfg_;
-  std::unique_ptr<caf::actor_system> sys_;
-};
-
-config::serve_config plain_serve() {
-  config::serve_config s;
-  s.present = true;
-  return s;
-}
-
-// Polls the registry status until `pred` holds (or `timeout`).
-template <class Pred>
-registry_status wait_status(raw_client& c, const rank_registry_actor& r, const std::string& token,
-                            Pred pred, std::chrono::milliseconds timeout) {
-  registry_status last;
-  auto until = std::chrono::steady_clock::now() + timeout;
-  while (std::chrono::steady_clock::now() < until) {
-    if (auto s = c.status(r, token)) {
-      last = *s;
-      if (pred(last))
-        return last;
-    }
-    std::this_thread::sleep_for(20ms);
-  }
-  ADD_FAILURE() << "registry status never matched; last error: " << last.last_error;
-  return last;
-}
 
 TEST_F(MultiProcess, TwoTrainerProcessesPublishByteExactVersions) {
   auto recipe = write_recipe("recipe.yaml", {});
@@ -412,7 +103,7 @@ TEST_F(MultiProcess, TrainerKilledDuringMaterializationFailsEveryRankAndRejoins)
   auto stalling = write_recipe("stalling.yaml", o);
   start_coordinator(recipe);
   auto old_runtime = runtime_pid(coordinator->pid());
-  raw_client client(plain_serve());
+  raw_client client(plain_serve(token));
   auto registry = client.connect(port);
   ASSERT_TRUE(registry) << render(registry.error());
 
@@ -537,7 +228,7 @@ TEST_F(MultiProcess, BarrierTimeoutNamesTheRankThatNeverPublished) {
   quit_and_stop(t0, t1);
 }
 
-TEST_F(MultiProcess, WrongOrMissingTokenIsRefusedAndLogged) {
+TEST_F(MultiProcess, WrongTokenIsRefusedInTheHandshakeAndLogged) {
   auto recipe = write_recipe("recipe.yaml", {});
   start_coordinator(recipe);
   const std::string wrong = "not-the-shared-secret-42";
@@ -545,26 +236,31 @@ TEST_F(MultiProcess, WrongOrMissingTokenIsRefusedAndLogged) {
   auto res = read_json(*intruder, 30s);
   EXPECT_EQ(res["event"], "error") << res.dump();
   EXPECT_EQ(res["error"]["code"], "unauthorized");
-  EXPECT_EQ(res["error"]["where"], "hello.token");
+  EXPECT_EQ(res["error"]["where"], "handshake.token");
+  EXPECT_THAT(res["error"]["message"].get<std::string>(), HasSubstr("different shared secrets"));
   EXPECT_EQ(intruder->wait(10s), 3);
 
-  raw_client client(plain_serve());
+  // A raw client with the wrong secret does not get a BASP connection at all.
+  raw_client impostor(plain_serve(wrong));
+  auto refused = impostor.connect(port);
+  ASSERT_FALSE(refused);
+  EXPECT_EQ(static_cast<errc>(refused.error().code()), errc::unauthorized) << render(refused.error());
+  EXPECT_EQ(error_where(refused.error()), "handshake.token");
+
+  // The right secret: admitted; the hello's token field is no longer used (protocol 2).
+  raw_client client(plain_serve(token));
   auto registry = client.connect(port);
   ASSERT_TRUE(registry) << render(registry.error());
-  auto missing = client.hello(*registry, wire::serve_protocol_version, "");
-  EXPECT_EQ(static_cast<errc>(missing.code()), errc::unauthorized) << render(missing);
-  auto peek = client.status(*registry, wrong);
-  ASSERT_FALSE(peek);
-  EXPECT_EQ(static_cast<errc>(peek.error().code()), errc::unauthorized);
-  auto status = client.status(*registry, token);
-  ASSERT_TRUE(status);
-  EXPECT_EQ(status->refusals, 3u);
-  EXPECT_TRUE(status->members.empty()) << "nothing joined";
+  EXPECT_FALSE(client.hello(*registry, wire::serve_protocol_version, "")) << "no secret on the wire";
+  // The listener counts a failed handshake when it sees the peer close: wait for both.
+  auto status = wait_status(client, *registry, "",
+                            [](const registry_status& s) { return s.refusals >= 2; }, 10s);
+  EXPECT_EQ(status.refusals, 2u) << "the two failed handshakes";
+  EXPECT_TRUE(status.members.empty()) << "nothing joined";
 
   auto log = coordinator->stderr_text();
-  EXPECT_THAT(log, HasSubstr("refused hello.token from node"));
-  EXPECT_THAT(log, HasSubstr("wrong token"));
-  EXPECT_THAT(log, HasSubstr("missing token"));
+  EXPECT_THAT(log, HasSubstr("refused a connection from 127.0.0.1:"));
+  EXPECT_THAT(log, HasSubstr("instead of proving the shared secret"));
   EXPECT_THAT(log, Not(HasSubstr(wrong)));
   EXPECT_THAT(log, Not(HasSubstr(token)));
   // The refused attempts left nothing behind: real ranks still join and publish.
@@ -582,7 +278,7 @@ using other_registry_interface =
 TEST_F(MultiProcess, ProtocolVersionMismatchIsRefused) {
   auto recipe = write_recipe("recipe.yaml", {});
   start_coordinator(recipe);
-  raw_client client(plain_serve());
+  raw_client client(plain_serve(token));
   auto registry = client.connect(port);
   ASSERT_TRUE(registry) << render(registry.error());
   const auto other = wire::serve_protocol_version + 1;
@@ -593,7 +289,6 @@ TEST_F(MultiProcess, ProtocolVersionMismatchIsRefused) {
 
   join_request req;
   req.protocol_version = other;
-  req.token = token;
   req.world = 2;
   auto join_err = client.join(*registry, req);
   EXPECT_EQ(static_cast<errc>(join_err.code()), errc::protocol_mismatch) << render(join_err);
@@ -612,12 +307,11 @@ TEST_F(MultiProcess, JoinRefusalsNameTheField) {
   auto recipe = write_recipe("recipe.yaml", {});
   start_coordinator(recipe);
   auto t0 = trainer(recipe, 0);
-  raw_client client(plain_serve());
+  raw_client client(plain_serve(token));
   auto registry = client.connect(port);
   ASSERT_TRUE(registry) << render(registry.error());
   join_request good;
   good.protocol_version = wire::serve_protocol_version;
-  good.token = token;
   good.rank = 1;
   good.world = 2;
   good.manifest_fingerprint = model::structural_manifest(model::expected_key_stream(tiny.model));
@@ -631,9 +325,6 @@ TEST_F(MultiProcess, JoinRefusalsNameTheField) {
     EXPECT_THAT(error_message(err), HasSubstr(text));
   };
   auto r = good;
-  r.token = "";
-  expect_refused(r, errc::unauthorized, "join.token", "wrong or missing shared secret");
-  r = good;
   r.world = 3;
   expect_refused(r, errc::join_refused, "join.world", "serves 2 trainer ranks");
   r = good;
@@ -658,7 +349,7 @@ TEST_F(MultiProcess, JoinRefusalsNameTheField) {
   ASSERT_TRUE(st);
   ASSERT_EQ(st->members.size(), 1u);
   EXPECT_EQ(st->members[0].pid, t0->pid());
-  EXPECT_EQ(st->refusals, 7u);
+  EXPECT_EQ(st->refusals, 6u);
   quit_and_stop(t0);
 }
 
@@ -766,7 +457,7 @@ TEST_F(MultiProcess, TlsWithMutualCertificates) {
   expect_byte_exact(res[0], 1, 0);
   expect_byte_exact(res[1], 1, 0);
   // A client without TLS does not get in (and does not hang).
-  raw_client plain(plain_serve());
+  raw_client plain(plain_serve(token));
   auto t = std::chrono::steady_clock::now();
   auto registry = plain.connect(port);
   ASSERT_FALSE(registry);

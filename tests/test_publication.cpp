@@ -8,6 +8,7 @@
 #include "runtime/publication/shard.hpp"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -689,8 +690,8 @@ TEST(HostBuffer, PoolWritesAreReadThroughMappedBuffer) {
     fill_pattern(pool.data(i), bytes, static_cast<std::uint8_t>(i));
   }
   EXPECT_NE(pool.handle(0), pool.handle(1));
-  const mapped_buffer m0(pool.handle(0), bytes);
-  const mapped_buffer m1(pool.handle(1), 4096); // a prefix is fine
+  const mapped_buffer m0(pool.handle(0), bytes, getpid());
+  const mapped_buffer m1(pool.handle(1), 4096, getpid()); // a prefix is fine
   EXPECT_EQ(m0.size(), bytes);
   EXPECT_NE(m0.data(), pool.data(0)); // a separate mapping of the same memory
   EXPECT_TRUE(has_pattern(m0.data(), bytes, 0));
@@ -714,7 +715,7 @@ TEST(HostBuffer, ForkedChildMapsTheParentsHandle) {
     // The child opens the buffer through /proc/<parent>/fd/<fd>, like a rollout worker.
     int status = 0;
     try {
-      const mapped_buffer m(handle, bytes);
+      const mapped_buffer m(handle, bytes, getppid());
       status = has_pattern(m.data(), bytes, 42) ? 0 : 1;
     } catch (...) {
       status = 2;
@@ -729,7 +730,7 @@ TEST(HostBuffer, ForkedChildMapsTheParentsHandle) {
 
 TEST(HostBuffer, MappingIsReadOnly) {
   host_buffer_pool pool(1, 4096);
-  const mapped_buffer m(pool.handle(0), 4096);
+  const mapped_buffer m(pool.handle(0), 4096, getpid());
   EXPECT_DEATH(const_cast<std::byte*>(m.data())[0] = std::byte{1}, "");
 }
 
@@ -738,7 +739,7 @@ TEST(HostBuffer, MappingKeepsMemoryAliveAfterThePoolIsGone) {
   std::unique_ptr<host_buffer_pool> pool = std::make_unique<host_buffer_pool>(1, bytes);
   fill_pattern(pool->data(0), bytes, 3);
   const auto fds_with_pool = open_fds();
-  const mapped_buffer m(pool->handle(0), bytes);
+  const mapped_buffer m(pool->handle(0), bytes, getpid());
   EXPECT_EQ(open_fds(), fds_with_pool) << "the consumer must close its fd after mapping";
   pool.reset();
   EXPECT_TRUE(has_pattern(m.data(), bytes, 3));
@@ -754,8 +755,8 @@ TEST(HostBuffer, NothingIsLeftAfterDestruction) {
     EXPECT_EQ(open_fds().size(), fds_before.size() + 3);
     EXPECT_EQ(buffer_mappings(), 3u);
     EXPECT_EQ(dev_shm_entries(), shm_before) << "memfd buffers must not appear in /dev/shm";
-    mapped_buffer a(pool.handle(0), 64 << 10);
-    mapped_buffer b(pool.handle(2), 1024);
+    mapped_buffer a(pool.handle(0), 64 << 10, getpid());
+    mapped_buffer b(pool.handle(2), 1024, getpid());
     EXPECT_EQ(buffer_mappings(), 5u);
   }
   EXPECT_EQ(open_fds(), fds_before);
@@ -768,12 +769,12 @@ TEST(HostBuffer, MovedMappedBufferUnmapsOnce) {
   fill_pattern(pool.data(0), 4096, 1);
   fill_pattern(pool.data(1), 4096, 2);
   {
-    mapped_buffer a(pool.handle(0), 4096);
+    mapped_buffer a(pool.handle(0), 4096, getpid());
     mapped_buffer moved(std::move(a));
     EXPECT_EQ(a.data(), nullptr);
     EXPECT_EQ(a.size(), 0u);
     EXPECT_TRUE(has_pattern(moved.data(), 4096, 1));
-    mapped_buffer other(pool.handle(1), 4096);
+    mapped_buffer other(pool.handle(1), 4096, getpid());
     EXPECT_EQ(buffer_mappings(), 4u);
     other = std::move(moved); // other's own mapping is released
     EXPECT_EQ(buffer_mappings(), 3u);
@@ -793,7 +794,7 @@ TEST(HostBuffer, MalformedHandlesAreRejected) {
       "shm:" + pid + ":3", " memfd:" + pid + ":3", "memfd:" + pid + ":+3",
       "memfd:99999999999999999999:3"};
   for (const auto& handle : malformed) {
-    const auto message = runtime_error_message([&] { mapped_buffer(handle, 16); });
+    const auto message = runtime_error_message([&] { mapped_buffer(handle, 16, getpid()); });
     EXPECT_TRUE(contains(message, "malformed buffer handle '" + handle + "'")) << message;
   }
 }
@@ -805,7 +806,7 @@ TEST(HostBuffer, DeadProducerIsAClearError) {
     _exit(0);
   ASSERT_EQ(waitpid(child, nullptr, 0), child);
   const std::string handle = "memfd:" + std::to_string(child) + ":3";
-  const auto message = runtime_error_message([&] { mapped_buffer(handle, 16); });
+  const auto message = runtime_error_message([&] { mapped_buffer(handle, 16, child); });
   EXPECT_TRUE(contains(message, "'" + handle + "'")) << message;
   EXPECT_TRUE(contains(message, "/proc/" + std::to_string(child) + "/fd/3")) << message;
   EXPECT_TRUE(contains(message, "gone")) << message;
@@ -814,7 +815,7 @@ TEST(HostBuffer, DeadProducerIsAClearError) {
 TEST(HostBuffer, WrongFdIsAClearError) {
   host_buffer_pool pool(1, 4096);
   const std::string closed = "memfd:" + std::to_string(getpid()) + ":1000000";
-  auto message = runtime_error_message([&] { mapped_buffer(closed, 16); });
+  auto message = runtime_error_message([&] { mapped_buffer(closed, 16, getpid()); });
   EXPECT_TRUE(contains(message, "'" + closed + "'")) << message;
   EXPECT_TRUE(contains(message, "gone")) << message;
 
@@ -822,7 +823,7 @@ TEST(HostBuffer, WrongFdIsAClearError) {
   int fds[2];
   ASSERT_EQ(pipe(fds), 0);
   const std::string pipe_handle = "memfd:" + std::to_string(getpid()) + ":" + std::to_string(fds[0]);
-  message = runtime_error_message([&] { mapped_buffer(pipe_handle, 16); });
+  message = runtime_error_message([&] { mapped_buffer(pipe_handle, 16, getpid()); });
   close(fds[0]);
   close(fds[1]);
   EXPECT_TRUE(contains(message, "'" + pipe_handle + "'")) << message;
@@ -832,13 +833,52 @@ TEST(HostBuffer, WrongFdIsAClearError) {
 TEST(HostBuffer, TooLargeRequestNamesBothSizes) {
   host_buffer_pool pool(1, 4096);
   const auto fds_before = open_fds();
-  const auto message = runtime_error_message([&] { mapped_buffer(pool.handle(0), 8192); });
+  const auto message = runtime_error_message([&] { mapped_buffer(pool.handle(0), 8192, getpid()); });
   EXPECT_TRUE(contains(message, pool.handle(0))) << message;
   EXPECT_TRUE(contains(message, "4096") && contains(message, "8192")) << message;
   EXPECT_EQ(open_fds(), fds_before) << "a failed mapping must not leak its fd";
   EXPECT_EQ(buffer_mappings(), 1u);
-  const auto zero = runtime_error_message([&] { mapped_buffer(pool.handle(0), 0); });
+  const auto zero = runtime_error_message([&] { mapped_buffer(pool.handle(0), 0, getpid()); });
   EXPECT_TRUE(contains(zero, "0 bytes")) << zero;
+}
+
+// A producer cannot shrink (or grow) a pool buffer once its handle exists, so a consumer's
+// mapping can never turn into SIGBUS; and a consumer maps nothing else.
+TEST(HostBuffer, PoolBuffersAreSealedAndOnlySealedMemfdsOfTheProducerAreMapped) {
+  host_buffer_pool pool(1, 4096);
+  const auto handle = pool.handle(0);
+  const int fd = std::stoi(handle.substr(handle.rfind(':') + 1));
+  const int seals = fcntl(fd, F_GET_SEALS);
+  EXPECT_EQ(seals & (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL), F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
+  errno = 0;
+  EXPECT_NE(ftruncate(fd, 0), 0);
+  EXPECT_EQ(errno, EPERM);
+  EXPECT_NE(ftruncate(fd, 8192), 0) << "grow is sealed too";
+  {
+    mapped_buffer m(handle, 4096, getpid());
+    EXPECT_EQ(m.size(), 4096u);
+  }
+  // Another pid than the producer's: refused before anything is opened.
+  auto other = runtime_error_message([&] { mapped_buffer(handle, 16, getppid()); });
+  EXPECT_TRUE(contains(other, "but the rank that publishes it is pid " + std::to_string(getppid())))
+    << other;
+  // An unsealed memfd, and a regular file: refused.
+  const int unsealed = memfd_create("unsealed", MFD_CLOEXEC);
+  ASSERT_EQ(ftruncate(unsealed, 4096), 0);
+  auto msg = runtime_error_message([&] {
+    mapped_buffer("memfd:" + std::to_string(getpid()) + ":" + std::to_string(unsealed), 16, getpid());
+  });
+  close(unsealed);
+  EXPECT_TRUE(contains(msg, "without the required seals")) << msg;
+  const std::string path = ::testing::TempDir() + "refit-plain-" + std::to_string(getpid());
+  std::ofstream(path) << std::string(4096, 'x');
+  const int plain = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  unlink(path.c_str());
+  msg = runtime_error_message([&] {
+    mapped_buffer("memfd:" + std::to_string(getpid()) + ":" + std::to_string(plain), 16, getpid());
+  });
+  close(plain);
+  EXPECT_TRUE(contains(msg, "is not a memfd")) << msg;
 }
 
 TEST(HostBuffer, CreationFailureThrowsSystemErrorAndLeaksNothing) {

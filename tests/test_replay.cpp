@@ -2,6 +2,7 @@
 // recorded in the actor journal and refit-replay reproduces it; a tampered or reordered entry
 // makes refit-replay fail naming that entry; truncated, garbage or inconsistent journals are
 // rejected with an error that names where (exit 2).
+#include <unistd.h>
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
@@ -414,6 +415,27 @@ TEST(ReplayJournal, RefitReplayExitCodes) {
   EXPECT_THAT(out.out, HasSubstr("cannot open"));
   out = run_command(std::string(REFIT_REPLAY_EXE) + " 2>&1");
   EXPECT_EQ(out.exit_code, 2) << out.out;
+  std::remove(path.c_str());
+  // Not a regular file: refused at once (refit-replay /dev/zero used to grow without bound),
+  // and a directory is named as one.
+  out = replay_exe("/dev/zero");
+  EXPECT_EQ(out.exit_code, 2) << out.out;
+  EXPECT_THAT(out.out, HasSubstr("journal '/dev/zero': is a character device, not a regular file"));
+  out = replay_exe("/tmp");
+  EXPECT_EQ(out.exit_code, 2) << out.out;
+  EXPECT_THAT(out.out, HasSubstr("journal '/tmp': is a directory"));
+}
+
+TEST(ReplayJournal, AJournalOverTheSizeCapIsRefusedUnread) {
+  const auto path = temp_path("huge");
+  { std::ofstream(path).close(); }
+  ASSERT_EQ(::truncate(path.c_str(), static_cast<off_t>(5ull << 30)), 0); // sparse 5 GiB
+  try {
+    journal::read_file(path);
+    ADD_FAILURE() << "read a 5 GiB journal";
+  } catch (const journal::journal_error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("has 5368709120 bytes, more than the 4294967296-byte cap"));
+  }
   std::remove(path.c_str());
 }
 

@@ -21,7 +21,7 @@ using namespace std::chrono_literals;
 namespace {
 
 config::refit_config tiny_config() {
-  auto cfg = config::parse_yaml(config::embedded_default_yaml(), "<embedded>");
+  auto cfg = config::load_file(std::string(REFIT_SOURCE_DIR) + "/configs/tiny-synthetic.yaml");
   cfg.runtime.kill_grace_ms = 300;
   cfg.supervisor.backoff_initial_ms = 20;
   cfg.supervisor.backoff_max_ms = 100;
@@ -290,3 +290,34 @@ TEST_F(RolloutProcess, SpawnFailureGivesUpAfterBoundedRestarts) {
   EXPECT_NE(error_message(d.error()).find("restart limit"), std::string::npos);
   EXPECT_TRUE(status().gave_up);
 }
+
+// A recipe that asks for more memory than the machine has (here a 2^62-byte KV cache per
+// worker) is refused before anything is allocated, naming the key and both numbers, and the
+// supervisor does not retry the deterministic failure as if it were a crash.
+TEST_F(RolloutProcess, MemoryAskBeyondTheMachineIsRefusedOnceNamingTheKey) {
+  cfg.runtime.kv_cache_bytes = std::uint64_t{1} << 62;
+  cfg.supervisor.max_restarts = 3;
+  start(false);
+  caf::scoped_actor self{*sys};
+  supervisor_status sup;
+  auto until = std::chrono::steady_clock::now() + 20s;
+  do {
+    self->request(h.supervisor, 5s, status_atom::value)
+      .receive([&](supervisor_status& s) { sup = s; }, [](caf::error&) {});
+    std::this_thread::sleep_for(10ms);
+  } while (!sup.gave_up && std::chrono::steady_clock::now() < until);
+  ASSERT_TRUE(sup.gave_up);
+  EXPECT_EQ(sup.incarnation, 1u) << "no restart of a deterministic startup failure";
+  EXPECT_NE(sup.last_exit.find("preflight_failed at runtime.kv_cache_bytes"), std::string::npos)
+    << sup.last_exit;
+  EXPECT_NE(sup.last_exit.find("4611686018427387904 bytes each"), std::string::npos) << sup.last_exit;
+  EXPECT_NE(sup.last_exit.find("available (MemAvailable)"), std::string::npos) << sup.last_exit;
+  // The engine hears it from the supervisor (a message after the supervisor's own state).
+  auto st = status();
+  for (auto t = std::chrono::steady_clock::now() + 10s; !st.gave_up && std::chrono::steady_clock::now() < t;
+       st = status())
+    std::this_thread::sleep_for(10ms);
+  EXPECT_TRUE(st.gave_up);
+  EXPECT_NE(st.last_error.find("not retried"), std::string::npos) << st.last_error;
+}
+

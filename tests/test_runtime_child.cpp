@@ -2,6 +2,8 @@
 // frames over its socket, and observe state, memory (RssAnon), exit codes and faults.
 #include <gtest/gtest.h>
 
+#include "runtime/checkpoint/source.hpp"
+
 #include <chrono>
 #include <csignal>
 #include <cmath>
@@ -14,7 +16,10 @@
 #include <memory>
 #include <optional>
 #include <poll.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
 #include <stdexcept>
+#include <set>
 #include <string>
 #include <thread>
 #include <unistd.h>
@@ -250,6 +255,46 @@ TEST_P(DescribeTest, ReportsRuntimeAndWorkers) {
 INSTANTIATE_TEST_SUITE_P(Tp, DescribeTest, ::testing::Values(1u, 2u),
                          [](const auto& info) { return "tp" + std::to_string(info.param); });
 
+TEST(DescribeCheckpoint, ReportsWhatWasLoadedFromAModelDirectory) {
+  const std::string dir = std::string(REFIT_SOURCE_DIR) + "/tests/data/models/tiny-qwen3";
+  const auto cfg = refit::checkpoint::read_model_config(dir);
+  auto args = command_line(args_for(2));
+  for (std::size_t i = 0; i + 1 < args.size(); ++i)
+    if (args[i] == "--model")
+      args[i + 1] = refit::config::model_to_yaml(cfg);
+  args.push_back("--checkpoint");
+  args.push_back(dir);
+  runtime_child child(args);
+  auto rsp = child.call(child.request(pb::COMMAND_DESCRIBE));
+  ASSERT_TRUE(rsp.ok()) << rsp.error().message();
+  const auto& c = rsp.describe().checkpoint();
+  const auto source = refit::checkpoint::model_source::open(dir, cfg);
+  EXPECT_EQ(c.path(), dir);
+  EXPECT_EQ(c.tensors(), source->tensor_count());
+  EXPECT_EQ(c.bytes(), source->bytes());
+  EXPECT_EQ(c.fingerprint(), refit::model::structural_manifest(refit::model::expected_key_stream(cfg)));
+  EXPECT_GT(c.load_seconds(), 0.0);
+  EXPECT_TRUE(rsp.describe().weights_valid());
+}
+
+TEST(DescribeCheckpoint, AModelDirectoryThatDoesNotFitIsFatalBeforeServing) {
+  // The tiny synthetic model's shape against tiny-qwen3's files: every tensor mismatches.
+  auto args = command_line(args_for(1));
+  args.push_back("--checkpoint");
+  args.push_back(std::string(REFIT_SOURCE_DIR) + "/tests/data/models/tiny-qwen3");
+  runtime_child child(args);
+  try {
+    child.send(child.request(pb::COMMAND_DESCRIBE));
+  } catch (const std::exception&) {
+    // the child may be gone before the request is written
+  }
+  pb::Response rsp;
+  const auto st = child.receive(rsp, 20s);
+  ASSERT_FALSE(st) << "the runtime answered although its checkpoint does not load";
+  EXPECT_EQ(st.code, wire::frame_errc::eof) << "it exited instead of hanging: "
+                                            << wire::to_string(st.code);
+}
+
 // ---------------------------------------------------------------------------- sleep / wake
 
 constexpr std::uint64_t rss_slack = 8u << 20;
@@ -397,7 +442,7 @@ TEST(RuntimeChildProtocol, GenerateWithoutPromptsIsAnInvalidArgument) {
 TEST(RuntimeChildProtocol, RejectsAnotherProtocolVersion) {
   runtime_child child(args_for(1));
   auto req = child.request(pb::COMMAND_DESCRIBE);
-  req.set_protocol_version(2);
+  req.set_protocol_version(refit::wire::protocol_version + 1);
   auto rsp = child.call(req);
   EXPECT_EQ(rsp.protocol_version(), refit::wire::protocol_version);
   EXPECT_EQ(rsp.request_id(), req.request_id());
@@ -687,6 +732,88 @@ INSTANTIATE_TEST_SUITE_P(RuntimeChild, BadArgumentsTest,
                          ::testing::ValuesIn(bad_argument_cases()),
                          [](const auto& info) { return info.param.name; });
 
+// refit-runtime's own memory preflight: a KV cache beyond the machine is refused before any
+// allocation, with the key and both numbers, and a distinct exit code (3), not SIGKILL by OOM.
+TEST(RuntimeChildPreflight, AKvCacheBeyondTheMachineExitsWith3NamingTheKey) {
+  auto [output, info] = run_capturing_stderr(command_line(args_for(2, std::uint64_t{1} << 62)));
+  EXPECT_TRUE(info.exited) << info.describe();
+  EXPECT_EQ(info.code, 3) << info.describe() << "\nstderr: " << output;
+  EXPECT_NE(output.find("preflight: runtime.kv_cache_bytes: 2 TP worker(s) on the host need"),
+            std::string::npos) << output;
+  EXPECT_NE(output.find("available (MemAvailable)"), std::string::npos) << output;
+}
+
+// The child keeps only fds 0, 1, 2 and its control fd, also when the parent's descriptor
+// limit was raised (the serve listener raises it) and an fd sits at the top of the range.
+TEST(SpawnChild, OnlyTheControlFdIsInheritedEvenAtTheTopOfTheFdRange) {
+  rlimit rl{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &rl), 0);
+  const rlimit before = rl;
+  rl.rlim_cur = std::min<rlim_t>(rl.rlim_max, 1u << 20);
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &rl), 0);
+  const int top = static_cast<int>(rl.rlim_cur - 1);
+  const int high = ::dup2(STDERR_FILENO, top); // inheritable (dup2 clears close-on-exec)
+  ASSERT_EQ(high, top);
+  const std::string out = ::testing::TempDir() + "refit-child-fds-" + std::to_string(::getpid());
+  proc::spawn_options opts;
+  opts.executable = "/bin/sh";
+  opts.args = {"-c", "ls /proc/self/fd > '" + out + "'"};
+  auto child = proc::spawn_child(opts);
+  ::close(high);
+  ::close(child.control_fd);
+  std::optional<proc::exit_info> done;
+  for (int i = 0; i < 500 && !done; ++i) {
+    done = proc::try_reap(child.pid);
+    if (!done)
+      std::this_thread::sleep_for(10ms);
+  }
+  ::setrlimit(RLIMIT_NOFILE, &before);
+  ASSERT_TRUE(done && done->exited && done->code == 0);
+  std::ifstream in(out);
+  std::set<int> fds;
+  for (int fd; in >> fd;)
+    fds.insert(fd);
+  std::remove(out.c_str());
+  EXPECT_EQ(fds.count(top), 0u) << "fd " << top << " leaked into the child";
+  EXPECT_EQ(fds.count(3), 1u) << "the control fd";
+  EXPECT_LE(fds.size(), 5u) << "0, 1, 2, 3 and the fd ls reads /proc/self/fd through";
+}
+
+// The runtime child does not inherit the parent's secrets: the configured serve.token_env
+// (whatever its name) and anything named like a token or secret.
+TEST(SpawnChild, TheChildEnvironmentHasNoSecrets) {
+  const std::string out = ::testing::TempDir() + "refit-child-env-" + std::to_string(::getpid());
+  ::setenv("REFIT_TOKEN", "the-shared-secret-value", 1);
+  ::setenv("MY_DEPLOYMENT_KEY", "configured-token-env-value", 1);
+  ::setenv("REFIT_HARMLESS", "kept", 1);
+  proc::spawn_options opts;
+  opts.executable = "/bin/sh";
+  opts.args = {"-c", "env > '" + out + "'"};
+  opts.scrub_env = {"MY_DEPLOYMENT_KEY"};
+  auto child = proc::spawn_child(opts);
+  ::close(child.control_fd);
+  std::optional<proc::exit_info> done;
+  for (int i = 0; i < 500 && !done; ++i) {
+    done = proc::try_reap(child.pid);
+    if (!done)
+      std::this_thread::sleep_for(10ms);
+  }
+  ::unsetenv("REFIT_TOKEN");
+  ::unsetenv("MY_DEPLOYMENT_KEY");
+  ::unsetenv("REFIT_HARMLESS");
+  ASSERT_TRUE(done && done->exited && done->code == 0);
+  std::ifstream in(out);
+  std::string env((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::remove(out.c_str());
+  EXPECT_EQ(env.find("the-shared-secret-value"), std::string::npos) << env;
+  EXPECT_EQ(env.find("configured-token-env-value"), std::string::npos) << env;
+  EXPECT_NE(env.find("REFIT_HARMLESS=kept"), std::string::npos) << env;
+  EXPECT_NE(env.find("PATH="), std::string::npos) << env;
+  EXPECT_TRUE(proc::is_secret_env_name("HF_TOKEN"));
+  EXPECT_TRUE(proc::is_secret_env_name("db_password"));
+  EXPECT_FALSE(proc::is_secret_env_name("OMP_NUM_THREADS"));
+}
+
 // ---------------------------------------------------------------------------- weight publication
 //
 // The test plays the trainer side: one host_buffer_pool per trainer rank holding the full
@@ -839,8 +966,10 @@ pb::PublicationHeader publication_header(std::uint32_t tp, std::uint64_t model_v
   h.set_model_version(model_version);
   h.set_tp_world_size(tp);
   h.set_manifest_fingerprint(model::structural_manifest(stream));
-  for (std::uint32_t rank = 0; rank < tp; ++rank)
+  for (std::uint32_t rank = 0; rank < tp; ++rank) {
     h.add_device_uuids(refit::device::cpu_uuid(static_cast<int>(rank)));
+    h.add_producer_pids(static_cast<std::uint32_t>(::getpid())); // this test plays every rank
+  }
   h.set_expected_tensor_count(stream.size());
   h.set_verify(true);
   return h;
@@ -1008,6 +1137,32 @@ TEST(Publication, MakesWeightsWokenFromSleepLevel2Valid) {
   EXPECT_EQ(d.sleep_level(), 0u);
 }
 
+// The producer of a buffer the runtime has mapped tries to shrink it between two chunks (the
+// runtime reuses the mapping, so a shrunk memfd used to kill it with SIGBUS): the seals refuse
+// the ftruncate, and the publication goes on and commits.
+TEST(Publication, AMappedBufferCannotBeShrunkBetweenChunks) {
+  runtime_child child(args_for(2));
+  trainer_ranks trainer(2);
+  const auto weights = synthetic_canonical(2);
+  const auto header = publication_header(2, 1, "pub-shrink");
+  const auto chunks = pack(weights);
+  ASSERT_GE(chunks.size(), 3u) << "buffer 0 is used again for chunk 2";
+  ASSERT_TRUE(init_transfer(child).ok());
+  ASSERT_TRUE(require_ok(start_update(child, header)).ok());
+  const auto first = trainer.chunk(weights, chunks, 0, header.publication_id());
+  ASSERT_TRUE(require_ok(update_weights(child, first)).ok());
+  const std::string handle = first.handles(0).handle();
+  const int fd = std::stoi(handle.substr(handle.rfind(':') + 1));
+  errno = 0;
+  EXPECT_EQ(::ftruncate(fd, 0), -1);
+  EXPECT_EQ(errno, EPERM) << "F_SEAL_SHRINK";
+  for (std::size_t k = 1; k < chunks.size(); ++k)
+    ASSERT_TRUE(require_ok(update_weights(child, trainer.chunk(weights, chunks, k, header.publication_id()))).ok())
+      << "chunk " << k;
+  ASSERT_TRUE(require_ok(finish_update(child, header.publication_id(), 1)).ok());
+  EXPECT_EQ(child.describe().model_version(), 1u);
+}
+
 TEST(Publication, SleepIsRefusedWhileAnUpdateIsOpen) {
   runtime_child child(args_for(1));
   trainer_ranks trainer(1);
@@ -1165,13 +1320,15 @@ std::vector<header_case> header_cases() {
      "header.device_uuids"},
     {"TpMismatch", [](auto& h) { h.set_tp_world_size(1); }, "header.tp_world_size"},
     {"VersionNotIncreasing", [](auto& h) { h.set_model_version(0); }, "header.model_version"},
-    {"WrongProtocolVersion", [](auto& h) { h.set_protocol_version(2); },
+    {"WrongProtocolVersion", [](auto& h) { h.set_protocol_version(refit::wire::protocol_version + 1); },
      "header.protocol_version"},
     {"WrongTensorCount",
      [](auto& h) { h.set_expected_tensor_count(h.expected_tensor_count() + 1); },
      "header.expected_tensor_count"},
     {"OtherTransport", [](auto& h) { h.set_transport("cuda_ipc"); }, "header.transport"},
     {"EmptyPublicationId", [](auto& h) { h.set_publication_id(""); }, "header.publication_id"},
+    {"MissingProducerPids", [](auto& h) { h.clear_producer_pids(); }, "header.producer_pids"},
+    {"ZeroProducerPid", [](auto& h) { h.set_producer_pids(1, 0); }, "header.producer_pids"},
   };
 }
 
@@ -1279,12 +1436,48 @@ std::vector<chunk_case> chunk_cases() {
        return std::string("update_weights.handles[1].buffer_index");
      },
      "buffer_index 2 is out of range"},
+    // A handle that cannot be mapped is the producer side's bad input: a validation error.
     {"UnmappableHandle",
      [](auto& c, const auto&) {
        c.mutable_handles(1)->set_handle("memfd:" + std::to_string(::getpid()) + ":999999");
-       return std::string("worker[1]");
+       return std::string("update_weights.handles");
      },
-     "TP worker 1: buffer handle 'memfd:", pb::ERROR_CODE_INTERNAL},
+     "TP worker 1: buffer handle 'memfd:"},
+    // A memfd without seals could be shrunk under the mapping (SIGBUS): refused.
+    {"UnsealedMemfd",
+     [](auto& c, const auto&) {
+       int fd = ::memfd_create("hostile-unsealed", MFD_CLOEXEC); // held for the test's life
+       EXPECT_EQ(::ftruncate(fd, static_cast<off_t>(c.handles(1).size())), 0);
+       c.mutable_handles(1)->set_handle("memfd:" + std::to_string(::getpid()) + ":" + std::to_string(fd));
+       return std::string("update_weights.handles");
+     },
+     "without the required seals"},
+    // A plain file of this uid (it could be any secret the producer can open): not a memfd.
+    {"PlainFileHandle",
+     [](auto& c, const auto&) {
+       auto path = ::testing::TempDir() + "refit-plain-file-" + std::to_string(::getpid());
+       std::ofstream(path) << std::string(c.handles(1).size(), 'x');
+       int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC); // held for the test's life
+       ::unlink(path.c_str());
+       c.mutable_handles(1)->set_handle("memfd:" + std::to_string(::getpid()) + ":" + std::to_string(fd));
+       return std::string("update_weights.handles");
+     },
+     "is not a memfd"},
+    // A handle naming another process than the publishing rank's.
+    {"HandleOfAnotherProcess",
+     [](auto& c, const auto&) {
+       c.mutable_handles(1)->set_handle("memfd:" + std::to_string(::getppid()) + ":0");
+       return std::string("update_weights.handles");
+     },
+     "names pid " + std::to_string(::getppid()) + ", but the rank that publishes it is pid "
+       + std::to_string(::getpid())},
+    // An offset near 2^64: the error names it without a wrapped byte range.
+    {"OffsetNear2To64",
+     [](auto& c, const auto&) {
+       c.mutable_tensors(0)->set_offset(~std::uint64_t{0});
+       return c.tensors(0).name();
+     },
+     "bytes at offset 18446744073709551615 lie beyond"},
     {"AnotherPublicationId",
      [](auto& c, const auto&) {
        c.set_publication_id("another");

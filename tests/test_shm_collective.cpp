@@ -7,7 +7,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
 #include <poll.h>
+#include <sys/mman.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
@@ -15,6 +17,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <fstream>
 #include <functional>
 #include <string>
 #include <thread>
@@ -365,6 +368,39 @@ TEST(ShmGroup, LosingTheMembershipAbortsALiveCollective) {
   auto later = group.for_publication("pub-z")->all_gather(0, {{shard.data(), 64, out.data()}},
                                                          clock_type::now() + 1s);
   EXPECT_THAT(later.error, HasSubstr("no complete membership: rank 1 left"));
+}
+
+// Endpoints are sealed against shrinking (a peer's mapping never loses its pages), and a member
+// table naming an unsealed memfd or a plain file as an endpoint fails the collective with a
+// message, before anything of it is mapped.
+TEST(ShmCollective, EndpointsAreSealedAndUnsealedOrPlainFilesAreRefused) {
+  auto self = std::make_shared<shm_endpoint>(0);
+  const auto h = self->handle();
+  const int own = std::stoi(h.substr(h.rfind(':') + 1));
+  EXPECT_TRUE(::fcntl(own, F_GET_SEALS) & F_SEAL_SHRINK);
+  EXPECT_NE(::ftruncate(own, 0), 0) << "the endpoint cannot be shrunk";
+  auto refused = [&](int fd) {
+    shm_group group(self);
+    group.set_members({{0, ::getpid(), h},
+                       {1, ::getpid(), "memfd:" + std::to_string(::getpid()) + ":" + std::to_string(fd)}});
+    std::vector<std::byte> shard(64), out(128);
+    return group.for_publication("pub-sealed")
+      ->all_gather(0, {{shard.data(), 64, out.data()}}, clock_type::now() + 2s);
+  };
+  const int unsealed = ::memfd_create("hostile-endpoint", MFD_CLOEXEC);
+  ASSERT_EQ(::ftruncate(unsealed, 1 << 20), 0);
+  auto st = refused(unsealed);
+  ::close(unsealed);
+  EXPECT_FALSE(st.ok);
+  EXPECT_THAT(st.error, HasSubstr("without the required seals"));
+  const std::string path = ::testing::TempDir() + "refit-plain-endpoint-" + std::to_string(::getpid());
+  { std::ofstream(path) << std::string(1 << 16, 'x'); }
+  const int plain = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  ::unlink(path.c_str());
+  st = refused(plain);
+  ::close(plain);
+  EXPECT_FALSE(st.ok);
+  EXPECT_THAT(st.error, HasSubstr("is not a memfd"));
 }
 
 } // namespace

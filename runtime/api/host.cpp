@@ -347,11 +347,16 @@ error host::impl::connect_steps() {
   }
 
   caf::scoped_actor self{*sys};
-  // hello: protocol version and shared secret; the answer carries the gate.
+  // The hello and join carry the token only with TLS (to a certificate-verified coordinator).
+  // In plain mode the connection already proved the secret both ways, and the secret never
+  // travels: the fields stay empty. (An embedded coordinator is this process: no wire at all.)
+  const std::string wire_token = cfg.serve.tls.enabled ? token : std::string();
+  token = wire_token; // what the rollout requests (generate, sleep, wake, status) carry too
+  // hello: protocol version (and, with TLS, the shared secret); the answer carries the gate.
   welcome w;
   consensus_gate_actor gate;
   caf::error err;
-  self->request(registry, join_timeout, hello_atom::value, wire::serve_protocol_version, token)
+  self->request(registry, join_timeout, hello_atom::value, wire::serve_protocol_version, wire_token)
     .receive([&](welcome& x, consensus_gate_actor& g) { w = std::move(x), gate = std::move(g); },
              [&](caf::error& e) { err = std::move(e); });
   if (err)
@@ -418,7 +423,7 @@ error host::impl::connect_steps() {
   // join: the registry checks version, secret, rank, world and model again.
   join_request req;
   req.protocol_version = wire::serve_protocol_version;
-  req.token = token;
+  req.token = wire_token;
   req.rank = rank->rank;
   req.world = rank->world;
   req.device = rank->device;

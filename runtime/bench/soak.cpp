@@ -168,7 +168,7 @@ struct cycle_record {
 class soak_run {
 public:
   soak_run(const soak_options& o, config::refit_config cfg, std::string exe)
-    : opts_(o), cfg_(std::move(cfg)), exe_(std::move(exe)) {}
+    : opts_(o), cfg_(std::move(cfg)), exe_(std::move(exe)), codec_(cfg_) {}
 
   json run();
 
@@ -206,6 +206,7 @@ private:
   soak_options opts_;
   config::refit_config cfg_;
   std::string exe_;
+  job::text_codec codec_;
   std::uint32_t chunks_ = 0;
   std::vector<config::runtime_fault> plan_;
   std::unique_ptr<caf::actor_system_config> sys_cfg_;
@@ -278,7 +279,7 @@ void soak_run::stop() {
 void soak_run::check_generation(cycle_record& c, std::uint64_t step) {
   const auto& jc = cfg_.job;
   auto sc = job::sampling(jc, jc.seed + c.cycle); // other samples every cycle
-  auto req = job::batch(jc, sc);
+  auto req = job::batch(jc, sc, codec_);
   auto res = ask<generate_result>("generate after version " + std::to_string(c.version),
                                   rollout_.engine, caf::timespan{5min}, generate_atom::value, req);
   c.samples = res.samples.size();

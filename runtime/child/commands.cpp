@@ -68,6 +68,12 @@ pb::DescribeResult server::describe() {
   result.set_model_version(model_version_);
   result.set_weights_valid(weights_valid_);
   result.set_pid(static_cast<std::uint32_t>(::getpid()));
+  auto* ckpt = result.mutable_checkpoint();
+  ckpt->set_path(checkpoint_.path);
+  ckpt->set_tensors(checkpoint_.tensors);
+  ckpt->set_bytes(checkpoint_.bytes);
+  ckpt->set_fingerprint(checkpoint_.fingerprint);
+  ckpt->set_load_seconds(checkpoint_.load_seconds);
   return result;
 }
 

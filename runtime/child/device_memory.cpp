@@ -59,15 +59,15 @@ public:
     src.read(0, dst.data(), dst.size());
   }
 
-  std::unique_ptr<producer_view> open_producer(const std::string& handle,
-                                               std::uint64_t size) override {
+  std::unique_ptr<producer_view> open_producer(const std::string& handle, std::uint64_t size,
+                                               int producer_pid) override {
     struct view final : producer_view {
       explicit view(publication::mapped_buffer m) : mapping(std::move(m)) {}
       const std::byte* data() const override { return mapping.data(); }
       std::uint64_t size() const override { return mapping.size(); }
       publication::mapped_buffer mapping;
     };
-    return std::make_unique<view>(publication::mapped_buffer(handle, size));
+    return std::make_unique<view>(publication::mapped_buffer(handle, size, producer_pid));
   }
 
   void copy_rows(std::byte* dst, std::uint64_t dst_stride, const std::byte* src,

@@ -114,9 +114,10 @@ public:
 
   // Opens producer buffer `handle` ("memfd:<pid>:<fd>" on CPU devices, "cudaipc:<uuid>:<hex>"
   // on CUDA devices) for reading `size` bytes. Throws std::runtime_error naming the handle if
-  // it is malformed, of the wrong kind for this device, gone, or smaller than `size`.
+  // it is malformed, of the wrong kind for this device, gone, or smaller than `size`. On CPU
+  // the handle must name `producer_pid` (the publishing rank's process) and a sealed memfd.
   virtual std::unique_ptr<producer_view> open_producer(const std::string& handle,
-                                                       std::uint64_t size) = 0;
+                                                       std::uint64_t size, int producer_pid) = 0;
   // Strided 2-D copy (rows of `row_bytes`) from a producer view into this device's memory.
   // May be asynchronous (CUDA: the worker's stream); synchronize() waits for it.
   virtual void copy_rows(std::byte* dst, std::uint64_t dst_stride, const std::byte* src,

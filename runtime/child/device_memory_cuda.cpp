@@ -56,8 +56,8 @@ public:
     }
   }
 
-  std::unique_ptr<producer_view> open_producer(const std::string& handle,
-                                               std::uint64_t size) override {
+  std::unique_ptr<producer_view> open_producer(const std::string& handle, std::uint64_t size,
+                                               int /*producer_pid: CUDA IPC handles name no process*/) override {
     struct view final : producer_view {
       view(const std::string& h, std::uint64_t s, int ordinal) : ipc(h, s, ordinal) {}
       const std::byte* data() const override { return ipc.data(); }

@@ -37,6 +37,7 @@ const char* fault_kind_name(fault_kind kind) {
     case fault_kind::wrong_result: return "wrong_result";
     case fault_kind::wrong_version: return "wrong_version";
     case fault_kind::forge_receipt: return "forge_receipt";
+    case fault_kind::skew_logprobs: return "skew_logprobs";
   }
   return "unknown";
 }
@@ -45,7 +46,7 @@ constexpr fault_kind all_fault_kinds[] = {
   fault_kind::stall,    fault_kind::exit,          fault_kind::sigkill,
   fault_kind::error,    fault_kind::bad_frame,     fault_kind::wrong_id,
   fault_kind::wrong_command, fault_kind::wrong_result, fault_kind::wrong_version,
-  fault_kind::forge_receipt};
+  fault_kind::forge_receipt, fault_kind::skew_logprobs};
 
 std::string known_command_names() {
   std::string names;
@@ -156,6 +157,7 @@ server::fault_reply server::apply_fault(const fault_spec& fault, const pb::Reque
       set_empty_result(response, command);
       break;
     case fault_kind::forge_receipt:
+    case fault_kind::skew_logprobs:
       break; // handled in the serve loop: the command runs first
   }
   reply.response = std::move(response);

@@ -22,6 +22,7 @@
 
 #include "runtime/child/device_memory.hpp"
 #include "runtime/child/server.hpp"
+#include "runtime/publication/memory_preflight.hpp"
 #include "runtime/config/config.hpp"
 #include "runtime/device/device.hpp"
 #include "runtime/control/framing.hpp"
@@ -32,6 +33,7 @@ namespace {
 using refit::child::log_line;
 
 constexpr int exit_bad_arguments = 2;
+constexpr int exit_preflight = 3; // the recipe asks for more memory than the devices have
 
 // A bad command-line value; `option` names the option ("--tp").
 struct option_error : std::runtime_error {
@@ -49,6 +51,7 @@ struct raw_arguments {
   std::uint64_t max_frame_bytes = refit::wire::default_max_frame_bytes;
   std::uint64_t seed = 0;
   float init_scale = 0.02f;
+  std::string checkpoint;
   std::vector<std::string> faults;
 };
 
@@ -119,6 +122,7 @@ refit::child::server_options validate(const raw_arguments& args) {
   options.max_frame_bytes = static_cast<std::size_t>(args.max_frame_bytes);
   options.seed = args.seed;
   options.init_scale = args.init_scale;
+  options.checkpoint_dir = args.checkpoint;
   for (const auto& text : args.faults) {
     try {
       options.faults.push_back(refit::child::parse_fault(text));
@@ -158,6 +162,9 @@ int main(int argc, char** argv) {
   app.add_option("--init-scale", args.init_scale,
                  "scale of the synthetic checkpoint weights (the trainer's trainer.init_scale)")
     ->check(CLI::PositiveNumber & CLI::Range(0.0, 10.0));
+  app.add_option("--checkpoint", args.checkpoint,
+                 "a Hugging Face model directory (config.json, *.safetensors) loaded as version 0 "
+                 "instead of the synthetic weights");
   app.add_option("--fault", args.faults, "test-only fault COMMAND:KIND[:AFTER] (repeatable)");
 
   try {
@@ -180,6 +187,9 @@ int main(int argc, char** argv) {
   try {
     refit::child::server server(std::move(options));
     return server.serve();
+  } catch (const refit::publication::memory_refusal& e) {
+    log_line(std::string("preflight: ") + e.what());
+    return exit_preflight;
   } catch (const std::exception& e) {
     log_line(std::string("fatal: ") + e.what());
     return 1;

@@ -2,6 +2,8 @@
 // the command handlers (commands.cpp) or a test fault (faults.cpp), and answers each one.
 #include "runtime/child/server.hpp"
 
+#include "runtime/publication/memory_preflight.hpp"
+
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
@@ -12,7 +14,9 @@
 #include <thread>
 #include <unistd.h>
 
+#include "runtime/checkpoint/source.hpp"
 #include "runtime/child/command_error.hpp"
+#include "runtime/child/load_progress.hpp"
 #include "runtime/child/server_util.hpp"
 #include "runtime/control/framing.hpp"
 #include "runtime/control/protocol.hpp"
@@ -36,6 +40,10 @@ server::server(server_options options)
       options_.model, static_cast<std::uint32_t>(options_.devices.size()))),
     transfer_(options_.model, layout_, workers_) {
   const std::uint32_t tp = layout_->tp();
+  // Before any allocation: the workers' resident weights and KV caches must fit what the
+  // devices have (the parent checked too; this covers a direct command line). Throws
+  // publication::memory_refusal naming the key; main exits with exit_preflight.
+  publication::preflight_runtime_memory(options_.model, options_.devices, options_.kv_cache_bytes);
   comm_ = std::make_unique<inference::inproc_comm>(
     tp, std::chrono::duration_cast<std::chrono::milliseconds>(collective_timeout));
   for (std::uint32_t rank = 0; rank < tp; ++rank)
@@ -67,16 +75,37 @@ void server::load_checkpoint() {
   synthetic.seed = options_.seed;
   synthetic.init_scale = options_.init_scale;
   const auto params = model::expected_key_stream(options_.model);
+  const auto start = std::chrono::steady_clock::now();
+  if (!options_.checkpoint_dir.empty()) {
+    auto source = checkpoint::model_source::open(options_.checkpoint_dir, options_.model);
+    checkpoint_.path = source->source();
+    checkpoint_.tensors = source->tensor_count();
+    checkpoint_.bytes = source->bytes();
+    checkpoint_.fingerprint = source->fingerprint();
+    synthetic.initial = std::move(source);
+  }
+  load_progress progress(params, !options_.checkpoint_dir.empty() && ::isatty(STDERR_FILENO));
   if (workers_.front()->device_kind() == device::kind::cuda) {
-    // Each GPU worker generates every canonical tensor on its own device and slices it there.
-    on_all_workers(workers_, [&](worker& w) { w.load_synthetic(params, synthetic); });
-    return;
+    // Each GPU worker reads (checkpoint: through bounded pinned staging) or generates every
+    // canonical tensor on its own device and slices it there.
+    on_all_workers(workers_, [&](worker& w) {
+      w.load_synthetic(params, synthetic, w.rank() == 0 ? &progress : nullptr);
+    });
+  } else {
+    // One canonical tensor at a time in host memory (bounded by the largest tensor).
+    std::vector<std::byte> canonical;
+    for (const auto& param : params) {
+      canonical.resize(param.nbytes());
+      model::fill_synthetic(param, synthetic, 0, 0, param.numel(), canonical.data());
+      on_all_workers(workers_, [&](worker& w) { w.load_tensor(param, canonical.data()); });
+      progress.advance(param);
+    }
   }
-  for (const auto& param : params) {
-    std::vector<std::byte> canonical(param.nbytes());
-    model::fill_synthetic(param, synthetic, 0, 0, param.numel(), canonical.data());
-    on_all_workers(workers_, [&](worker& w) { w.load_tensor(param, canonical.data()); });
-  }
+  progress.finish();
+  checkpoint_.load_seconds =
+    std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (!options_.checkpoint_dir.empty())
+    log_line(load_summary(checkpoint_));
 }
 
 int server::serve() {
@@ -112,6 +141,20 @@ int server::serve() {
         receipts->Mutable(receipts->size() - 1)
           ->set_device_uuid("GPU-00000000-0000-0000-0000-000000000000");
         log_line("injecting fault forge_receipt on " + command_name(request.command()));
+      }
+      if (!send(response))
+        return 1;
+      continue;
+    }
+    if (fault && fault->kind == fault_kind::skew_logprobs) {
+      // Runs generation for real, then reports logprobs that the weights do not give: the
+      // parent's parity check against its reference forward must catch it.
+      pb::Response response = execute(request);
+      if (response.ok() && response.has_generate()) {
+        for (auto& s : *response.mutable_generate()->mutable_samples())
+          for (auto& lp : *s.mutable_logprobs())
+            lp += 0.5f;
+        log_line("injecting fault skew_logprobs on " + command_name(request.command()));
       }
       if (!send(response))
         return 1;

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "messages/control.pb.h"
+#include "runtime/child/load_progress.hpp"
 #include "runtime/child/weight_transfer.hpp"
 #include "runtime/child/worker.hpp"
 #include "runtime/device/device.hpp"
@@ -39,6 +40,7 @@ enum class fault_kind {
   wrong_result,  // ok=true with the result case of another command
   wrong_version, // echo protocol_version 99
   forge_receipt, // run the command, then forge the last receipt's device UUID (finish only)
+  skew_logprobs, // run the command, then add 0.5 to every reported logprob (generate only)
 };
 
 // A fault applied to the (after+1)-th occurrence of `command`, instead of running it.
@@ -60,6 +62,7 @@ struct server_options {
   std::size_t max_frame_bytes = 0;
   std::uint64_t seed = 0;            // synthetic checkpoint weights
   float init_scale = 0.02f;          // their scale (the trainer's trainer.init_scale)
+  std::string checkpoint_dir;        // "" = synthetic weights; else a Hugging Face model dir
   std::vector<fault_spec> faults;
 };
 
@@ -100,6 +103,8 @@ private:
   bool send_raw(const std::string& bytes);
 
   void load_checkpoint();
+  // Version 0's weights as describe reports them (path empty: synthetic).
+  checkpoint_info checkpoint_;
   std::vector<worker_report> worker_reports();
   // Throws INVALID_STATE naming `command` unless every worker's weights are resident.
   void require_weights_awake(const std::string& command);

@@ -1,5 +1,6 @@
 #include "runtime/child/weight_transfer.hpp"
 
+#include <limits>
 #include <algorithm>
 #include <exception>
 #include <utility>
@@ -179,6 +180,18 @@ void weight_transfer::validate_header(const pb::PublicationHeader& header,
                          + " but TP worker " + std::to_string(rank) + " runs on "
                          + quoted(workers_[rank]->device_uuid()));
   }
+  // Host transport: worker r maps only memfds of trainer rank r's process.
+  if (header.transport() == "shm") {
+    if (header.producer_pids_size() != static_cast<int>(tp))
+      throw validation("header.producer_pids",
+                       std::to_string(header.producer_pids_size()) + " producer pids for "
+                         + std::to_string(tp) + " TP workers");
+    for (int r = 0; r < header.producer_pids_size(); ++r)
+      if (header.producer_pids(r) == 0 || header.producer_pids(r) > 0x7fffffffu)
+        throw validation("header.producer_pids",
+                         "producer_pids[" + std::to_string(r) + "] is "
+                           + std::to_string(header.producer_pids(r)) + ", not a process id");
+  }
   if (header.manifest_fingerprint() != expected_fingerprint_)
     throw validation("header.manifest_fingerprint",
                      "manifest fingerprint " + quoted(header.manifest_fingerprint())
@@ -319,11 +332,16 @@ void weight_transfer::load_chunk(worker& w, const pb::UpdateWeightsRequest& requ
 
   for (const packed_tensor& t : tensors) {
     const std::uint64_t nbytes = t.param->nbytes();
-    if (t.offset > own->size() || nbytes > own->size() - t.offset)
+    if (t.offset > own->size() || nbytes > own->size() - t.offset) {
+      // offset + nbytes may not fit in 64 bits: the end is printed only when it does.
+      const bool fits = t.offset <= std::numeric_limits<std::uint64_t>::max() - nbytes;
       throw validation(t.param->name,
-                       "bytes [" + std::to_string(t.offset) + ", "
-                         + std::to_string(t.offset + nbytes) + ") lie beyond the "
-                         + std::to_string(own->size()) + "-byte " + buffer);
+                       (fits ? "bytes [" + std::to_string(t.offset) + ", "
+                                 + std::to_string(t.offset + nbytes) + ")"
+                             : std::to_string(nbytes) + " bytes at offset "
+                                 + std::to_string(t.offset))
+                         + " lie beyond the " + std::to_string(own->size()) + "-byte " + buffer);
+    }
   }
 
   const producer_view* mapping = w.find_mapping(own->handle());
@@ -339,7 +357,18 @@ void weight_transfer::load_chunk(worker& w, const pb::UpdateWeightsRequest& requ
                          + std::to_string(w.mapped_buffer_count() + 1)
                          + " of this transfer, but init_weight_transfer announced "
                          + std::to_string(session_->buffer_count) + " buffers");
-    mapping = &w.map_buffer(own->handle(), own->size());
+    const auto& header = session_->current->header;
+    const int producer_pid = header.producer_pids_size() > static_cast<int>(w.rank())
+                               ? static_cast<int>(header.producer_pids(static_cast<int>(w.rank())))
+                               : 0;
+    try {
+      mapping = &w.map_buffer(own->handle(), own->size(), producer_pid);
+    } catch (const std::runtime_error& e) {
+      // A handle that cannot be mapped as trainer rank r's sealed buffer is bad input from
+      // the producer side: a validation error (the publication fails), never a crash.
+      throw validation("update_weights.handles",
+                       "TP worker " + std::to_string(w.rank()) + ": " + e.what());
+    }
   }
   for (const packed_tensor& t : tensors)
     w.load_tensor(*t.param, mapping->data() + t.offset);

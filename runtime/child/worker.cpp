@@ -112,9 +112,12 @@ void worker::load_tensor(const model::param_meta& p, const std::byte* canonical)
 void worker::finish_loads() { memory_->synchronize(); }
 
 void worker::load_synthetic(const std::vector<model::param_meta>& params,
-                            const model::synthetic_weights& w) {
-  for (const auto& p : params)
+                            const model::synthetic_weights& w, load_progress* progress) {
+  for (const auto& p : params) {
     load_tensor(p, memory_->synthetic_canonical(p, w, 0));
+    if (progress)
+      progress->advance(p);
+  }
   finish_loads();
 }
 
@@ -226,11 +229,12 @@ const producer_view* worker::find_mapping(const std::string& handle) const {
   return found == mappings_.end() ? nullptr : found->second.get();
 }
 
-const producer_view& worker::map_buffer(const std::string& handle, std::uint64_t size) {
+const producer_view& worker::map_buffer(const std::string& handle, std::uint64_t size,
+                                        int producer_pid) {
   if (mappings_.count(handle) != 0)
     throw std::logic_error("worker " + std::to_string(rank_) + ": buffer " + handle
                            + " is mapped already");
-  auto& view = *mappings_.emplace(handle, memory_->open_producer(handle, size)).first->second;
+  auto& view = *mappings_.emplace(handle, memory_->open_producer(handle, size, producer_pid)).first->second;
   ++mappings_opened_;
   return view;
 }

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "runtime/child/device_memory.hpp"
+#include "runtime/child/load_progress.hpp"
 #include "runtime/device/device.hpp"
 #include "runtime/inference/generator.hpp"
 #include "runtime/model/qwen3_moe.hpp"
@@ -104,13 +105,13 @@ public:
   const producer_view* find_mapping(const std::string& handle) const;
   // Opens `size` bytes of producer buffer `handle` read-only and keeps it open until
   // unmap_buffers (a buffer is opened once per transfer). Throws if it is open already.
-  const producer_view& map_buffer(const std::string& handle, std::uint64_t size);
+  const producer_view& map_buffer(const std::string& handle, std::uint64_t size, int producer_pid);
   // Waits for every load_tensor copy issued so far (the producer may then rewrite the buffer).
   void finish_loads();
   // Loads every tensor of `params` from synthetic weights `w` (step 0), generated on this
   // worker's device; returns when the copies finished.
   void load_synthetic(const std::vector<model::param_meta>& params,
-                      const model::synthetic_weights& w);
+                      const model::synthetic_weights& w, load_progress* progress);
   std::size_t mapped_buffer_count() const { return mappings_.size(); }
   // Unmaps every producer buffer; returns how many were mapped.
   std::uint32_t unmap_buffers();

@@ -39,6 +39,7 @@ const std::vector<std::string> fault_commands = {
 const std::vector<std::string> fault_kinds = {
   "stall",    "exit",          "sigkill",      "error",         "bad_frame",
   "wrong_id", "wrong_command", "wrong_result", "wrong_version", "forge_receipt",
+  "skew_logprobs",
 };
 std::string join(const std::vector<std::string>& items) {
   std::string out;

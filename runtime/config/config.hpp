@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "runtime/model/qwen3_moe.hpp"
+#include "runtime/model/synthetic.hpp"
 
 namespace refit::config {
 
@@ -42,7 +43,7 @@ struct timeouts {
 struct runtime_fault {
   std::string command; // describe, generate, sleep, wake_up, ..., shutdown
   std::string kind;    // stall | exit | sigkill | error | bad_frame | wrong_id | wrong_command |
-                       // wrong_result | wrong_version | forge_receipt
+                       // wrong_result | wrong_version | forge_receipt | skew_logprobs
   std::uint32_t after = 0; // apply on the (after+1)-th occurrence of the command
   std::uint32_t incarnation = 1; // the runtime incarnation it is injected into (0 = every one)
 };
@@ -120,9 +121,10 @@ struct journal_config {
   std::string path = "refit-journal.bin"; // truncated when the rollout side is spawned
 };
 
-// TLS for the serve connections (libcaf_openssl). With a certificate, key and CA file both
-// sides authenticate each other (mutual verification); with only `enabled: true` the
-// connection is encrypted with an anonymous cipher suite (no authentication beyond the token).
+// TLS for the serve connections (libcaf_openssl). A certificate, key and CA file are required:
+// both sides authenticate each other (mutual verification) before the hello carries the token.
+// (Anonymous TLS authenticates nobody, so an impostor listener would receive the secret: it is
+// refused by validate.)
 struct tls_config {
   bool enabled = false;
   std::string certificate; // PEM certificate of this side
@@ -145,11 +147,20 @@ struct serve_config {
   std::uint32_t join_timeout_ms = 10000;     // connect + hello + join
   std::uint32_t publish_barrier_ms = 60000;  // first rank's publish -> every rank's publish
   std::uint32_t publish_timeout_ms = 600000; // every rank arrived -> committed or failed
+  // The listener's own handshake (plain TCP mode, runtime/system/guarded_listener.hpp): how
+  // long an unauthenticated connection may take to prove the secret, and how many may wait.
+  std::uint32_t handshake_timeout_ms = 5000;
+  std::uint32_t max_pending_handshakes = 64;
   tls_config tls;
 };
 
 struct refit_config {
   model::model_config model;
+  // model.path: a Hugging Face model directory (absolute once parsed; relative paths are
+  // resolved against the recipe's directory). Its config.json gives `model`; the runtime
+  // loads its weights as version 0 and the trainer ranks start from them. "" = the model
+  // fields of the recipe and synthetic weights.
+  std::string model_path;
   runtime_config runtime;
   supervisor_config supervisor;
   trainer_config trainer;
@@ -159,8 +170,10 @@ struct refit_config {
   serve_config serve;
 };
 
-// Parses YAML text. `origin` (file name or "<embedded>") prefixes error messages.
-refit_config parse_yaml(const std::string& text, const std::string& origin = "<string>");
+// Parses YAML text. `origin` (file name or "<embedded>") prefixes error messages; a relative
+// model.path is resolved against `base_dir` ("" = the working directory).
+refit_config parse_yaml(const std::string& text, const std::string& origin = "<string>",
+                        const std::string& base_dir = "");
 refit_config load_file(const std::string& path);
 
 // Cross-field checks (tp_size == devices.size(), model valid for tp, ...). parse_yaml
@@ -175,6 +188,19 @@ std::string to_yaml(const refit_config& cfg);
 // line): parse from YAML text whose top level is the model map, and render back.
 model::model_config parse_model_yaml(const std::string& text, const std::string& origin);
 std::string model_to_yaml(const model::model_config& m);
+
+// The trainer's weights of the recipe: job.seed, trainer.lr, trainer.init_scale, starting
+// from model.path's checkpoint when the recipe has one (opened once per process).
+model::synthetic_weights trainer_weights(const refit_config& cfg);
+
+// Serve the Hugging Face model directory `dir` (refit-coordinator --model): model.path and
+// the model fields from its config.json. Throws naming the file and field.
+void use_model_dir(refit_config& cfg, const std::string& dir);
+
+// Where the embedded default's relative paths (model.path) are resolved: $REFIT_CONFIGS_DIR,
+// else <prefix>/share/refit/configs next to an installed executable, else the source tree's
+// configs/.
+std::string embedded_base_dir();
 
 // The embedded default (configs/tiny-cpu.yaml, compiled in).
 const std::string& embedded_default_yaml();

@@ -24,6 +24,7 @@ std::string model_to_yaml(const model::model_config& m) {
     {"num_experts", u(m.num_experts)},
     {"num_experts_per_tok", u(m.num_experts_per_tok)},
     {"moe_intermediate_size", u(m.moe_intermediate_size)},
+    {"intermediate_size", u(m.intermediate_size)},
     {"vocab_size", u(m.vocab_size)},
     {"tie_word_embeddings", b(m.tie_word_embeddings)},
     {"rms_norm_eps", format_double(m.rms_norm_eps)},
@@ -52,7 +53,12 @@ std::string to_yaml(const refit_config& cfg) {
   };
   std::string y;
   auto line = [&y](const std::string& text) { y += text + "\n"; };
-  line("model: " + model_to_yaml(cfg.model));
+  if (cfg.model_path.empty()) {
+    line("model: " + model_to_yaml(cfg.model));
+  } else { // the fields, and the directory they came from (parse checks they still agree)
+    const std::string fields = model_to_yaml(cfg.model);
+    line("model: {path: " + quote_if_needed(cfg.model_path) + ", " + fields.substr(1));
+  }
   const auto& rt = cfg.runtime;
   line("runtime:");
   line("  executable: " + q(rt.executable));

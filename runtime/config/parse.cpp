@@ -1,7 +1,9 @@
 // Strict YAML recipe parsing: every key is typed, unknown keys are errors naming the full key
 // path, the offending value and where in the source it was.
 #include "runtime/config/config.hpp"
+#include "runtime/fileio/read_file.hpp"
 #include "runtime/config/common.hpp"
+#include "runtime/checkpoint/source.hpp"
 
 #include <cctype>
 #include <cerrno>
@@ -202,29 +204,39 @@ YAML::Node load_document(const std::string& text, const std::string& origin) {
 
 using field = yaml_reader::field;
 
+// The model section: HF config.json field names, or `path` (a Hugging Face model directory
+// whose config.json gives them; fields given next to it must agree with it). `base_dir`
+// resolves a relative path.
 void read_model(yaml_reader& r, const YAML::Node& node, const std::string& path,
-                model::model_config& m) {
+                model::model_config& m, std::string* model_path = nullptr,
+                const std::string& base_dir = "") {
+  std::set<std::string> seen;
   auto u32_field = [&](const char* name, std::uint32_t& target) {
-    return field{name, [&r, &target](const YAML::Node& v, const std::string& p) {
+    return field{name, [&r, &target, &seen, name](const YAML::Node& v, const std::string& p) {
                    target = r.u32(v, p);
-                 }, true};
+                   seen.insert(name);
+                 }};
   };
   auto bool_field = [&](const char* name, bool& target) {
-    return field{name, [&r, &target](const YAML::Node& v, const std::string& p) {
+    return field{name, [&r, &target, &seen, name](const YAML::Node& v, const std::string& p) {
                    target = r.boolean(v, p);
+                   seen.insert(name);
                  }};
   };
   auto double_field = [&](const char* name, double& target) {
-    return field{name, [&r, &target](const YAML::Node& v, const std::string& p) {
+    return field{name, [&r, &target, &seen, name](const YAML::Node& v, const std::string& p) {
                    target = r.number(v, p);
+                   seen.insert(name);
                  }};
   };
   auto string_field = [&](const char* name, std::string& target) {
-    return field{name, [&r, &target](const YAML::Node& v, const std::string& p) {
+    return field{name, [&r, &target, &seen, name](const YAML::Node& v, const std::string& p) {
                    target = r.string(v, p);
+                   seen.insert(name);
                  }};
   };
-  r.read_map(node, path, {
+  std::string dir;
+  std::vector<field> fields = {
     string_field("model_type", m.model_type),
     u32_field("num_hidden_layers", m.num_hidden_layers),
     u32_field("hidden_size", m.hidden_size),
@@ -234,23 +246,80 @@ void read_model(yaml_reader& r, const YAML::Node& node, const std::string& path,
     u32_field("num_experts", m.num_experts),
     u32_field("num_experts_per_tok", m.num_experts_per_tok),
     u32_field("moe_intermediate_size", m.moe_intermediate_size),
+    u32_field("intermediate_size", m.intermediate_size),
     u32_field("vocab_size", m.vocab_size),
     bool_field("tie_word_embeddings", m.tie_word_embeddings),
     double_field("rms_norm_eps", m.rms_norm_eps),
     double_field("rope_theta", m.rope_theta),
     bool_field("norm_topk_prob", m.norm_topk_prob),
     field{"torch_dtype",
-          [&r, &m](const YAML::Node& v, const std::string& p) {
+          [&r, &m, &seen](const YAML::Node& v, const std::string& p) {
             const std::string text = r.string(v, p);
             try {
               m.torch_dtype = model::parse_dtype(text, p);
             } catch (const model::model_error& e) {
               r.fail(p, v, without_prefix(e.what(), e.where));
             }
+            seen.insert("torch_dtype");
           }},
     string_field("quantization", m.quantization),
     bool_field("lora", m.lora),
-  });
+  };
+  if (model_path != nullptr)
+    fields.push_back(field{"path", [&r, &dir](const YAML::Node& v, const std::string& p) {
+                             dir = r.string(v, p);
+                             if (dir.empty())
+                               r.fail(p, v, "is empty (a Hugging Face model directory)");
+                           }});
+  r.read_map(node, path, fields);
+
+  if (!dir.empty()) {
+    std::filesystem::path resolved(dir);
+    if (resolved.is_relative() && !base_dir.empty())
+      resolved = std::filesystem::path(base_dir) / resolved;
+    resolved = resolved.lexically_normal();
+    model::model_config hf;
+    try {
+      hf = checkpoint::read_model_config(resolved.string());
+    } catch (const std::exception& e) {
+      r.fail(child_path(path, "path"), node["path"], e.what());
+    }
+    // Fields given next to the path must say what config.json says.
+    const std::string ours = model_to_yaml(m), theirs = model_to_yaml(hf);
+    auto value_of = [](const std::string& flow, const std::string& key) {
+      const std::string needle = " " + key + ": ";
+      auto pos = flow.find(needle);
+      if (pos == std::string::npos)
+        pos = flow.find("{" + key + ": ") == 0 ? 0 : std::string::npos;
+      if (pos == std::string::npos)
+        return std::string();
+      pos = flow.find(": ", pos) + 2;
+      return flow.substr(pos, flow.find_first_of(",}", pos) - pos);
+    };
+    for (const auto& key : seen)
+      if (value_of(ours, key) != value_of(theirs, key))
+        r.fail(child_path(path, key), node[key],
+               value_of(ours, key) + " differs from " + (resolved / "config.json").string()
+                 + " (" + value_of(theirs, key) + "); leave it out");
+    m = hf;
+    *model_path = resolved.string();
+    return;
+  }
+  if (seen.count("model_type") == 0)
+    m.model_type = "qwen3_moe";
+  for (const char* key : {"num_hidden_layers", "hidden_size", "num_attention_heads",
+                          "num_key_value_heads", "head_dim", "vocab_size"})
+    if (seen.count(key) == 0)
+      r.fail(child_path(path, key), node, "required key is missing");
+  if (m.dense()) {
+    if (seen.count("intermediate_size") == 0)
+      r.fail(child_path(path, "intermediate_size"), node, "required key is missing");
+    model::normalize_dense(m);
+  } else {
+    for (const char* key : {"num_experts", "num_experts_per_tok", "moe_intermediate_size"})
+      if (seen.count(key) == 0)
+        r.fail(child_path(path, key), node, "required key is missing");
+  }
 }
 
 void read_timeouts(yaml_reader& r, const YAML::Node& node, const std::string& path,
@@ -440,18 +509,24 @@ void read_serve(yaml_reader& r, const YAML::Node& node, const std::string& path,
      [&](const YAML::Node& v, const std::string& p) { s.publish_barrier_ms = r.u32(v, p); }},
     {"publish_timeout_ms",
      [&](const YAML::Node& v, const std::string& p) { s.publish_timeout_ms = r.u32(v, p); }},
+    {"handshake_timeout_ms",
+     [&](const YAML::Node& v, const std::string& p) { s.handshake_timeout_ms = r.u32(v, p); }},
+    {"max_pending_handshakes",
+     [&](const YAML::Node& v, const std::string& p) { s.max_pending_handshakes = r.u32(v, p); }},
     {"tls", [&](const YAML::Node& v, const std::string& p) { read_tls(r, v, p, s.tls); }},
   });
 }
 
 } // namespace
 
-refit_config parse_yaml(const std::string& text, const std::string& origin) {
+refit_config parse_yaml(const std::string& text, const std::string& origin,
+                        const std::string& base_dir) {
   const YAML::Node root = load_document(text, origin);
   yaml_reader r(origin);
   refit_config cfg;
   r.read_map(root, "", {
-    {"model", [&](const YAML::Node& v, const std::string& p) { read_model(r, v, p, cfg.model); },
+    {"model", [&](const YAML::Node& v, const std::string& p) {
+       read_model(r, v, p, cfg.model, &cfg.model_path, base_dir); },
      true},
     {"runtime",
      [&](const YAML::Node& v, const std::string& p) { read_runtime(r, v, p, cfg.runtime); }},
@@ -475,17 +550,14 @@ refit_config parse_yaml(const std::string& text, const std::string& origin) {
 }
 
 refit_config load_file(const std::string& path) {
-  std::error_code ec;
-  if (std::filesystem::is_directory(path, ec))
-    throw config_error("", "cannot read config file '" + path + "': it is a directory");
-  std::ifstream in(path, std::ios::binary);
-  if (!in)
-    throw config_error("", "cannot open config file '" + path + "': " + std::strerror(errno));
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad())
-    throw config_error("", "cannot read config file '" + path + "'");
-  return parse_yaml(text.str(), path);
+  std::string text;
+  try {
+    text = fileio::read_regular_file(path, fileio::max_config_bytes, "config file");
+  } catch (const fileio::file_error& e) {
+    throw config_error("", e.what());
+  }
+  return parse_yaml(text, path,
+                    std::filesystem::absolute(std::filesystem::path(path)).parent_path().string());
 }
 
 

@@ -150,7 +150,8 @@ void validate_config(const refit_config& cfg, const locator& locate) {
   check_range("publication.republish_attempts", pc.republish_attempts, 0, 10);
 
   const job_config& jb = cfg.job;
-  check_at_least("job.iterations", jb.iterations, 1);
+  // 0: only the bootstrap generation with the checkpoint weights.
+  check_range("job.iterations", jb.iterations, 0, 1000000);
   if (jb.prompts.empty())
     fail("job.prompts", "at least one prompt is required");
   for (std::size_t i = 0; i < jb.prompts.size(); ++i)
@@ -192,6 +193,8 @@ void validate_config(const refit_config& cfg, const locator& locate) {
   check_range("serve.join_timeout_ms", srv.join_timeout_ms, timeout_min_ms, timeout_max_ms);
   check_range("serve.publish_barrier_ms", srv.publish_barrier_ms, timeout_min_ms, timeout_max_ms);
   check_range("serve.publish_timeout_ms", srv.publish_timeout_ms, timeout_min_ms, timeout_max_ms);
+  check_range("serve.handshake_timeout_ms", srv.handshake_timeout_ms, 10, 600000);
+  check_range("serve.max_pending_handshakes", srv.max_pending_handshakes, 1, 65536);
   const tls_config& tls = srv.tls;
   if (!tls.enabled) {
     for (const auto& [key, value] : {std::pair<const char*, const std::string*>{"certificate", &tls.certificate},
@@ -200,15 +203,19 @@ void validate_config(const refit_config& cfg, const locator& locate) {
       if (!value->empty())
         fail(std::string("serve.tls.") + key, "is set but serve.tls.enabled is false");
   } else {
+    // Anonymous TLS authenticates neither side: the hello's token would go to whoever holds
+    // the port. TLS here means mutual certificates.
+    if (tls.certificate.empty() && tls.key.empty())
+      fail("serve.tls.certificate", "required with serve.tls.enabled (and serve.tls.key, "
+                                    "serve.tls.cafile): anonymous TLS authenticates neither side, "
+                                    "so an impostor listener would receive the shared secret; "
+                                    "without TLS the serve handshake already proves the secret "
+                                    "both ways without sending it");
     if (tls.certificate.empty() != tls.key.empty())
       fail(tls.certificate.empty() ? "serve.tls.certificate" : "serve.tls.key",
-           "serve.tls.certificate and serve.tls.key are set together (or neither: anonymous "
-           "encryption)");
-    if (!tls.certificate.empty() && tls.cafile.empty())
+           "serve.tls.certificate and serve.tls.key are set together");
+    if (tls.cafile.empty())
       fail("serve.tls.cafile", "required with a certificate: it verifies the peers' certificates");
-    if (tls.certificate.empty() && (!tls.cafile.empty() || !tls.passphrase.empty()))
-      fail(tls.cafile.empty() ? "serve.tls.passphrase" : "serve.tls.cafile",
-           "needs serve.tls.certificate and serve.tls.key");
   }
 
   try {

@@ -1,6 +1,7 @@
 #include "runtime/control/process.hpp"
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstdlib>
 #include <csignal>
@@ -14,6 +15,7 @@
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <system_error>
 #include <thread>
@@ -49,6 +51,28 @@ std::string exit_info::describe() const {
   return "still running";
 }
 
+bool is_secret_env_name(const std::string& name) {
+  std::string upper;
+  for (char c : name)
+    upper.push_back(static_cast<char>(std::toupper(static_cast<unsigned char>(c))));
+  for (const char* word : {"TOKEN", "SECRET", "PASSWORD", "PASSPHRASE"})
+    if (upper.find(word) != std::string::npos)
+      return true;
+  return false;
+}
+
+std::vector<std::string> scrubbed_environment(char** env, const std::vector<std::string>& scrub) {
+  std::vector<std::string> out;
+  for (char** e = env; e && *e; ++e) {
+    std::string entry = *e;
+    std::string name = entry.substr(0, entry.find('='));
+    if (is_secret_env_name(name) || std::find(scrub.begin(), scrub.end(), name) != scrub.end())
+      continue;
+    out.push_back(std::move(entry));
+  }
+  return out;
+}
+
 child_process spawn_child(const spawn_options& opts) {
   if (opts.executable.empty())
     throw std::invalid_argument("spawn_child: empty executable path");
@@ -66,6 +90,14 @@ child_process spawn_child(const spawn_options& opts) {
   for (auto& s : storage)
     argv.push_back(s.data());
   argv.push_back(nullptr);
+
+  // The child's environment, built before fork (nothing allocates after it): the parent's
+  // without its secrets (the shared secret of serve.token_env, anything named like a token).
+  std::vector<std::string> env_storage = scrubbed_environment(environ, opts.scrub_env);
+  std::vector<char*> envp;
+  for (auto& e : env_storage)
+    envp.push_back(e.data());
+  envp.push_back(nullptr);
 
   // A pipe that reports exec failure (close-on-exec: EOF means exec succeeded).
   int exec_pipe[2];
@@ -106,14 +138,28 @@ child_process spawn_child(const spawn_options& opts) {
       (void)!::write(exec_pipe[1], &e, sizeof(e));
       ::_exit(127);
     }
-    // Keep exec_pipe[1] open across the close loop (it is close-on-exec anyway).
-    long max_fd = ::sysconf(_SC_OPEN_MAX);
-    if (max_fd < 0 || max_fd > 65536)
-      max_fd = 65536;
-    for (int fd = 3; fd < max_fd; ++fd)
-      if (fd != opts.child_control_fd && fd != exec_pipe[1])
-        ::close(fd);
-    ::execv(argv[0], argv.data());
+    // Keep exec_pipe[1] open across the close loop (it is close-on-exec anyway). close_range
+    // covers every fd number, however high RLIMIT_NOFILE was raised (the serve listener
+    // raises it); the loop is the fallback for kernels without it.
+    const int keep_lo = std::min(opts.child_control_fd, exec_pipe[1]);
+    const int keep_hi = std::max(opts.child_control_fd, exec_pipe[1]);
+    bool closed = false;
+#if defined(SYS_close_range)
+    closed = (keep_lo <= 3 || ::syscall(SYS_close_range, 3u, static_cast<unsigned>(keep_lo - 1), 0u) == 0)
+             && (keep_hi - keep_lo <= 1
+                 || ::syscall(SYS_close_range, static_cast<unsigned>(keep_lo + 1),
+                              static_cast<unsigned>(keep_hi - 1), 0u) == 0)
+             && ::syscall(SYS_close_range, static_cast<unsigned>(keep_hi + 1), ~0u, 0u) == 0;
+#endif
+    if (!closed) {
+      long max_fd = ::sysconf(_SC_OPEN_MAX);
+      if (max_fd < 0 || max_fd > 65536)
+        max_fd = 65536;
+      for (int fd = 3; fd < max_fd; ++fd)
+        if (fd != opts.child_control_fd && fd != exec_pipe[1])
+          ::close(fd);
+    }
+    ::execve(argv[0], argv.data(), envp.data());
     int e = errno;
     (void)!::write(exec_pipe[1], &e, sizeof(e));
     ::_exit(127);

@@ -15,7 +15,17 @@ struct spawn_options {
   std::vector<std::string> args;   // argv[1..]
   int child_control_fd = 3;        // the child's end of the socketpair is dup2'd here
   bool die_with_parent = true;     // PR_SET_PDEATHSIG(SIGKILL) in the child
+  // Environment variables the child must not inherit (e.g. serve.token_env). Besides these,
+  // every variable whose name looks like a secret (see is_secret_env_name) is dropped.
+  std::vector<std::string> scrub_env;
 };
+
+// Whether an environment variable name looks like it holds a secret: REFIT_TOKEN, or a name
+// containing TOKEN, SECRET, PASSWORD or PASSPHRASE (any case).
+bool is_secret_env_name(const std::string& name);
+
+// `env` (NAME=value entries) without the variables named in `scrub` and without secrets.
+std::vector<std::string> scrubbed_environment(char** env, const std::vector<std::string>& scrub);
 
 struct child_process {
   pid_t pid = -1;        // also the process group id

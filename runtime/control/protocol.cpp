@@ -133,6 +133,10 @@ runtime_description from_proto(const pb::DescribeResult& x) {
   d.model_version = x.model_version();
   d.weights_valid = x.weights_valid();
   d.pid = x.pid();
+  d.checkpoint_path = x.checkpoint().path();
+  d.checkpoint_tensors = x.checkpoint().tensors();
+  d.checkpoint_bytes = x.checkpoint().bytes();
+  d.checkpoint_fingerprint = x.checkpoint().fingerprint();
   return d;
 }
 
@@ -202,6 +206,8 @@ pb::PublicationHeader to_proto(const publication_header& x) {
     out.add_device_uuids(u);
   out.set_expected_tensor_count(x.expected_tensor_count);
   out.set_verify(x.verify);
+  for (auto pid : x.producer_pids)
+    out.add_producer_pids(pid);
   return out;
 }
 
@@ -216,6 +222,7 @@ publication_header from_proto(const pb::PublicationHeader& x) {
   out.device_uuids.assign(x.device_uuids().begin(), x.device_uuids().end());
   out.expected_tensor_count = x.expected_tensor_count();
   out.verify = x.verify();
+  out.producer_pids.assign(x.producer_pids().begin(), x.producer_pids().end());
   return out;
 }
 

@@ -6,14 +6,15 @@
 
 namespace refit::wire {
 
-inline constexpr std::uint32_t protocol_version = 1;
+inline constexpr std::uint32_t protocol_version = 2; // 2: header.producer_pids
 
 // Version of the refit wire protocol between trainer processes and the coordinator (the
 // join handshake and every message of messages/net_types.hpp that crosses CAF's network
 // layer). A hello or join with another version is refused with errc::protocol_mismatch.
 // Bump it whenever a message that crosses processes changes shape or meaning.
-// 2: rank_info.weight_source, publication_spec.tp / verify, rank_report.digest_terms
+// 2: the serve handshake before BASP; hello/join tokens only with TLS.
+// 3: rank_info.weight_source, publication_spec.tp / verify, rank_report.digest_terms
 //    (registered tensors); the registry's generate / sleep / wake.
-inline constexpr std::uint32_t serve_protocol_version = 2;
+inline constexpr std::uint32_t serve_protocol_version = 3;
 
 } // namespace refit::wire

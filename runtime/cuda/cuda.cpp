@@ -1,5 +1,6 @@
 #include "runtime/cuda/cuda.hpp"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -344,6 +345,26 @@ std::uint32_t device_element_size(const model::param_meta& p) {
   }
 }
 
+// Page-locked host memory for staged uploads.
+class pinned_host {
+public:
+  pinned_host(std::uint64_t bytes, int ordinal) : bytes_(std::max<std::uint64_t>(bytes, 1)) {
+    void* p = nullptr;
+    REFIT_CUDA_CALL(cudaHostAlloc(&p, bytes_, cudaHostAllocDefault), ordinal,
+                    std::to_string(bytes_) + " bytes of pinned staging");
+    data_ = static_cast<std::byte*>(p);
+  }
+  ~pinned_host() { cudaFreeHost(data_); }
+  pinned_host(const pinned_host&) = delete;
+  pinned_host& operator=(const pinned_host&) = delete;
+  std::byte* data() const { return data_; }
+  std::uint64_t size() const { return bytes_; }
+
+private:
+  std::uint64_t bytes_;
+  std::byte* data_ = nullptr;
+};
+
 void check_range(const model::param_meta& p, std::uint64_t begin, std::uint64_t count) {
   if (begin > p.numel() || count > p.numel() - begin)
     throw error(p.name + ": elements [" + std::to_string(begin) + ", "
@@ -358,6 +379,21 @@ void fill_synthetic(int ordinal, const model::param_meta& p, const model::synthe
                     std::byte* out) {
   check_range(p, begin, count);
   const std::uint32_t es = device_element_size(p);
+  if (w.initial) {
+    // Step 0 is the checkpoint's value: read through a bounded pinned staging buffer, then the
+    // same device steps as apply_synthetic_step.
+    use(ordinal);
+    const std::uint64_t bytes = count * es;
+    pinned_host staging(std::min<std::uint64_t>(bytes, std::uint64_t{64} << 20), ordinal);
+    for (std::uint64_t off = 0; off < bytes; off += staging.size()) {
+      const std::uint64_t n = std::min<std::uint64_t>(staging.size(), bytes - off);
+      w.initial->read(p, begin * es + off, n, staging.data());
+      copy_to_device(ordinal, out + off, staging.data(), n);
+    }
+    for (std::uint64_t s = 1; s <= step; ++s)
+      apply_synthetic_step(ordinal, p, w, s, begin, count, out);
+    return;
+  }
   auto bases = model::synthetic_bases(p.name, w.seed, step);
   use(ordinal);
   device_allocation dev_bases(ordinal, bases.size() * sizeof(std::uint64_t), "synthetic bases");
@@ -385,6 +421,9 @@ void apply_synthetic_step(int ordinal, const model::param_meta& p,
 std::vector<std::vector<std::uint64_t>> expected_resident_digests(
   int ordinal, const model::model_config& cfg, std::uint32_t tp,
   const model::synthetic_weights& w, std::uint64_t step) {
+  if (w.initial)
+    throw error("the device verifier generates the seeded weights; weights that start from the "
+                "checkpoint " + w.initial->source() + " are verified on the host");
   model::tp_layout layout(cfg, tp);
   const auto& residents = layout.residents();
   const auto params = model::expected_key_stream(cfg);

@@ -4,7 +4,6 @@
 #include <limits>
 
 #include "runtime/inference/reference.hpp"
-#include "runtime/inference/tokenizer.hpp"
 #include "runtime/publication/shard.hpp"
 
 namespace refit::job {
@@ -21,12 +20,13 @@ inference::sampling_config sampling(const config::job_config& job, std::uint64_t
   return sc;
 }
 
-generate_request batch(const config::job_config& job, const inference::sampling_config& sc) {
+generate_request batch(const config::job_config& job, const inference::sampling_config& sc,
+                       const text_codec& codec) {
   generate_request req;
   for (const auto& p : job.prompts)
-    req.prompts.push_back(inference::byte_tokenizer::encode(p));
+    req.prompts.push_back(codec.encode(p));
   req.params = {sc.n,     sc.max_tokens, sc.temperature,    sc.top_k,
-                sc.top_p, sc.seed,       sc.stop_token_ids, sc.max_prompt_length};
+                sc.top_p, sc.seed,       codec.stop_ids(),  sc.max_prompt_length};
   return req;
 }
 
@@ -36,7 +36,7 @@ double parity_max_abs(const config::refit_config& cfg, std::uint64_t step,
   for (const auto& s : samples)
     seqs.push_back({s.prompt_token_ids, s.token_ids});
   auto params = model::expected_key_stream(cfg.model);
-  model::synthetic_weights w{cfg.job.seed, cfg.trainer.lr, cfg.trainer.init_scale};
+  const model::synthetic_weights w = config::trainer_weights(cfg);
   std::vector<std::vector<std::byte>> full;
   std::vector<const std::byte*> ptrs;
   full.reserve(params.size());

@@ -9,14 +9,17 @@
 #include "messages/types.hpp"
 #include "runtime/config/config.hpp"
 #include "runtime/inference/sampling.hpp"
+#include "runtime/job/text.hpp"
 
 namespace refit::job {
 
 // job.* sampling settings, with `seed` as the sampling seed.
 inference::sampling_config sampling(const config::job_config& job, std::uint64_t seed);
 
-// The job's prompts (byte tokens) with `sc` as sampling parameters.
-generate_request batch(const config::job_config& job, const inference::sampling_config& sc);
+// The job's prompts, tokenized by `codec`, with `sc` as sampling parameters and the
+// codec's stop ids as stop tokens.
+generate_request batch(const config::job_config& job, const inference::sampling_config& sc,
+                       const text_codec& codec);
 
 // Max |runtime logprob - trainer reference logprob| over every sampled token, the reference
 // computed from the trainer's full weights at optimizer `step` with the same processing.

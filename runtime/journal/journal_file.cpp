@@ -1,5 +1,7 @@
 #include "runtime/journal/journal_file.hpp"
 
+#include "runtime/fileio/read_file.hpp"
+
 #include <cerrno>
 #include <condition_variable>
 #include <cstring>
@@ -297,14 +299,13 @@ file parse(const std::string& bytes, const std::string& origin) {
 }
 
 file read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in)
-    throw journal_error(path + ": cannot open: " + std::strerror(errno), 0, 0, "");
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad())
-    throw journal_error(path + ": cannot read", 0, 0, "");
-  return parse(text.str(), path);
+  std::string text;
+  try {
+    text = fileio::read_regular_file(path, fileio::max_journal_bytes, "journal");
+  } catch (const fileio::file_error& e) {
+    throw journal_error(e.what(), 0, 0, "");
+  }
+  return parse(text, path);
 }
 
 std::shared_ptr<recorder> record_to_file(const std::string& path, const header& h) {

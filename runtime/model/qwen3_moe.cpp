@@ -116,10 +116,37 @@ float bf16_to_float(std::uint16_t b) { return bits_float(static_cast<std::uint32
 // Config validation
 // ---------------------------------------------------------------------------------------
 
+void normalize_dense(model_config& cfg) {
+  if (!cfg.dense())
+    return;
+  if (cfg.num_experts == 0)
+    cfg.num_experts = 1;
+  if (cfg.num_experts_per_tok == 0)
+    cfg.num_experts_per_tok = 1;
+  if (cfg.moe_intermediate_size == 0)
+    cfg.moe_intermediate_size = cfg.intermediate_size;
+}
+
 void validate(const model_config& cfg, std::uint32_t tp) {
-  if (cfg.model_type != "qwen3_moe")
-    throw model_error("model.model_type",
-                      "unsupported model_type '" + cfg.model_type + "' (expected 'qwen3_moe')");
+  if (cfg.model_type != "qwen3_moe" && cfg.model_type != "qwen3")
+    throw model_error("model.model_type", "unsupported model_type '" + cfg.model_type
+                                            + "' (expected 'qwen3_moe' or 'qwen3')");
+  if (cfg.dense()) {
+    const auto str = [](std::uint32_t v) { return std::to_string(v); };
+    if (cfg.intermediate_size == 0)
+      throw model_error("model.intermediate_size",
+                        "intermediate_size must be > 0 for model_type 'qwen3' (got 0)");
+    if (cfg.num_experts != 1 || cfg.num_experts_per_tok != 1)
+      throw model_error("model.num_experts",
+                        "a dense qwen3 model has no experts (num_experts=" + str(cfg.num_experts)
+                          + ", num_experts_per_tok=" + str(cfg.num_experts_per_tok)
+                          + "; leave them out)");
+    if (cfg.moe_intermediate_size != cfg.intermediate_size)
+      throw model_error("model.moe_intermediate_size",
+                        "a dense qwen3 model uses intermediate_size ("
+                          + str(cfg.intermediate_size) + "), not moe_intermediate_size ("
+                          + str(cfg.moe_intermediate_size) + "; leave it out)");
+  }
   if (!cfg.quantization.empty())
     throw model_error("model.quantization",
                       "quantized weights are not supported (quantization: '" + cfg.quantization + "')");
@@ -222,6 +249,12 @@ constexpr layer_tensor expert_tensors[] = {
   {"up_proj.weight", tensor_kind::expert_up},
   {"down_proj.weight", tensor_kind::expert_down},
 };
+// Dense qwen3: the MLP of a layer, held as expert 0 of a one-expert MoE.
+constexpr layer_tensor dense_mlp_tensors[] = {
+  {"mlp.gate_proj.weight", tensor_kind::expert_gate},
+  {"mlp.up_proj.weight", tensor_kind::expert_up},
+  {"mlp.down_proj.weight", tensor_kind::expert_down},
+};
 constexpr layer_tensor layer_norm_tensors[] = {
   {"input_layernorm.weight", tensor_kind::input_norm},
   {"post_attention_layernorm.weight", tensor_kind::post_attention_norm},
@@ -302,12 +335,17 @@ std::optional<parsed_name> parse_name(const model_config& c, const std::string& 
     return std::nullopt;
   const std::string rest = name.substr(pos);
   for (const auto& t : attention_tensors)
-    if (rest == t.suffix)
+    if (rest == t.suffix && !(c.dense() && t.kind == tensor_kind::router))
       return parsed_name{t.kind, *layer};
+  if (c.dense()) {
+    for (const auto& t : dense_mlp_tensors)
+      if (rest == t.suffix)
+        return parsed_name{t.kind, *layer, 0};
+  }
   for (const auto& t : layer_norm_tensors)
     if (rest == t.suffix)
       return parsed_name{t.kind, *layer};
-  if (rest.compare(0, experts_infix.size(), experts_infix) != 0)
+  if (c.dense() || rest.compare(0, experts_infix.size(), experts_infix) != 0)
     return std::nullopt;
   pos += experts_infix.size();
   const auto expert = read_index(name, pos, c.num_experts);
@@ -341,10 +379,16 @@ std::vector<param_meta> expected_key_stream(const model_config& cfg) {
   add(embed_name, tensor_kind::embed);
   for (std::uint32_t layer = 0; layer < cfg.num_hidden_layers; ++layer) {
     for (const auto& t : attention_tensors)
-      add(layer_name(layer, t.suffix), t.kind);
-    for (std::uint32_t e = 0; e < cfg.num_experts; ++e)
-      for (const auto& t : expert_tensors)
-        add(layer_name(layer, experts_infix + std::to_string(e) + "." + t.suffix), t.kind);
+      if (!(cfg.dense() && t.kind == tensor_kind::router)) // dense: the router row stays 0
+        add(layer_name(layer, t.suffix), t.kind);
+    if (cfg.dense()) {
+      for (const auto& t : dense_mlp_tensors)
+        add(layer_name(layer, t.suffix), t.kind);
+    } else {
+      for (std::uint32_t e = 0; e < cfg.num_experts; ++e)
+        for (const auto& t : expert_tensors)
+          add(layer_name(layer, experts_infix + std::to_string(e) + "." + t.suffix), t.kind);
+    }
     for (const auto& t : layer_norm_tensors)
       add(layer_name(layer, t.suffix), t.kind);
   }
@@ -546,7 +590,7 @@ std::vector<placement> tp_layout::place(const param_meta& p, std::uint32_t rank)
                                 + std::to_string(tp_));
   const auto parsed = parse_name(cfg_, p.name);
   if (!parsed)
-    throw model_error(p.name, "not a tensor of this qwen3_moe model ("
+    throw model_error(p.name, "not a tensor of this " + cfg_.model_type + " model ("
                                 + std::to_string(cfg_.num_hidden_layers) + " layers, "
                                 + std::to_string(cfg_.num_experts) + " experts, tie_word_embeddings="
                                 + (cfg_.tie_word_embeddings ? "true" : "false") + ")");

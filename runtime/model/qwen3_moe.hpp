@@ -39,6 +39,10 @@ struct model_config {
   std::uint32_t num_experts = 0;
   std::uint32_t num_experts_per_tok = 0;
   std::uint32_t moe_intermediate_size = 0;
+  // Dense qwen3 only: the MLP width. A dense model is held as one always-chosen expert
+  // (num_experts = num_experts_per_tok = 1, moe_intermediate_size = intermediate_size, set by
+  // normalize_dense) whose router row stays zero, so the softmax weight is exactly 1.0.
+  std::uint32_t intermediate_size = 0;
   std::uint32_t vocab_size = 0;
   bool tie_word_embeddings = false;
   double rms_norm_eps = 1e-6;
@@ -48,9 +52,16 @@ struct model_config {
   // Unsupported features: present so that a config asking for them is rejected clearly.
   std::string quantization;      // non-empty => rejected
   bool lora = false;             // true => rejected
+
+  bool dense() const { return model_type == "qwen3"; }
 };
 
-// Checks that the config describes a supported qwen3_moe model and that `tp` divides what
+// For model_type "qwen3" (dense): fills the one-expert fields (num_experts,
+// num_experts_per_tok, moe_intermediate_size) from intermediate_size where they are 0.
+// Other model types are left unchanged. validate() checks the result.
+void normalize_dense(model_config& cfg);
+
+// Checks that the config describes a supported qwen3_moe or (dense) qwen3 model and that `tp` divides what
 // it must (attention heads, moe_intermediate_size; KV heads divide tp or tp divides them).
 // Throws model_error naming the offending key (e.g. "model.num_attention_heads").
 void validate(const model_config& cfg, std::uint32_t tp);
@@ -70,7 +81,8 @@ struct param_meta {
 // model.embed_tokens.weight; per layer i: self_attn.{q,k,v,o}_proj.weight,
 // self_attn.{q,k}_norm.weight, mlp.gate.weight, mlp.experts.{e}.{gate,up,down}_proj.weight
 // for every expert, input_layernorm.weight, post_attention_layernorm.weight;
-// model.norm.weight; lm_head.weight (omitted when tie_word_embeddings).
+// model.norm.weight; lm_head.weight (omitted when tie_word_embeddings). Dense qwen3 has
+// mlp.{gate,up,down}_proj.weight in place of the router and the experts.
 std::vector<param_meta> expected_key_stream(const model_config& cfg);
 
 // Hex SHA-256 over the ordered (name, shape, dtype, numel, nbytes) of `params`.

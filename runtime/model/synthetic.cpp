@@ -77,7 +77,11 @@ void fill_elements(bool is_norm, const synthetic_weights& w, const std::vector<s
   using storage = typename Codec::storage;
   for (std::uint64_t i = 0; i < count; ++i) {
     const std::uint64_t index = begin + i;
-    storage value = Codec::encode(initial_value(is_norm, w.init_scale, uniform(bases[0], index)));
+    storage value;
+    if (w.initial)
+      std::memcpy(&value, out + i * sizeof(storage), sizeof(storage)); // read before the loop
+    else
+      value = Codec::encode(initial_value(is_norm, w.init_scale, uniform(bases[0], index)));
     for (std::size_t s = 1; s < bases.size(); ++s)
       value = Codec::encode(stepped_value(Codec::decode(value), w.lr, uniform(bases[s], index)));
     std::memcpy(out + i * sizeof(storage), &value, sizeof(storage));
@@ -122,6 +126,11 @@ void fill_synthetic(const param_meta& p, const synthetic_weights& w, std::uint64
   check_range(p, begin, count);
   const std::vector<std::uint64_t> bases = synthetic_bases(p.name, w.seed, step);
   const bool is_norm = is_norm_weight(p.name);
+  if (w.initial) {
+    w.initial->read(p, begin * dtype_size(p.dt), count * dtype_size(p.dt), out);
+    if (step == 0)
+      return;
+  }
   switch (p.dt) {
     case dtype::bfloat16: return fill_elements<bf16_codec>(is_norm, w, bases, begin, count, out);
     case dtype::float16: return fill_elements<fp16_codec>(is_norm, w, bases, begin, count, out);

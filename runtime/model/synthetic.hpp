@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -19,10 +20,26 @@ namespace refit::model {
 //   w_{s} = round_to_dtype(w_{s-1} + lr * noise(seed, s, name, index))
 // Counter-based (no RNG state), so any shard or the full tensor can be recomputed.
 // ---------------------------------------------------------------------------------------
+// Step-0 values read from a checkpoint instead of the seeded init (runtime/checkpoint
+// implements it over a Hugging Face model directory). Thread-safe reads.
+class initial_weights {
+public:
+  virtual ~initial_weights() = default;
+  // Bytes [byte_begin, byte_begin + bytes) of canonical tensor `p` (row-major, encoded in
+  // p.dt). Throws naming the file and tensor.
+  virtual void read(const param_meta& p, std::uint64_t byte_begin, std::uint64_t bytes,
+                    std::byte* out) const = 0;
+  // Where the values come from (a model directory), for logs and describe.
+  virtual std::string source() const = 0;
+};
+
 struct synthetic_weights {
   std::uint64_t seed = 0;
   float lr = 1e-3f;
   float init_scale = 0.02f;
+  // Set: w_0 is the checkpoint's value instead of init(seed, name, index); the steps are the
+  // same counter-based noise.
+  std::shared_ptr<const initial_weights> initial;
 };
 
 // Fills `out` with elements [begin, begin + count) of tensor `p` at optimizer step `step`,

@@ -113,7 +113,9 @@ std::shared_ptr<collective_registry> make_collective_registry(
 std::vector<std::vector<std::uint64_t>> expected_resident_digests(
   const model::model_config& cfg, std::uint32_t tp, const model::synthetic_weights& weights,
   std::uint64_t step, const device::spec& on) {
-  if (on.k == device::kind::cuda) {
+  // Weights that start from a checkpoint are recomputed on the host (the device twin only
+  // generates the seeded init).
+  if (on.k == device::kind::cuda && !weights.initial) {
 #if REFIT_HAVE_CUDA
     return cuda::expected_resident_digests(on.index, cfg, tp, weights, step);
 #else

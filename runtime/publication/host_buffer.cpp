@@ -1,6 +1,8 @@
 // memfd-backed packed buffers (see host_buffer.hpp).
 #include "runtime/publication/host_buffer.hpp"
 
+#include "runtime/publication/memfd.hpp"
+
 #include <fcntl.h>
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -210,12 +212,13 @@ host_buffer_pool::host_buffer_pool(std::uint32_t count, std::uint64_t bytes) : b
       const std::string what = "host_buffer_pool: buffer " + std::to_string(i) + " of "
                                + std::to_string(count) + " (" + std::to_string(bytes) + " bytes): ";
       buffer b;
-      b.fd = memfd_create("refit-buffer", MFD_CLOEXEC);
-      if (b.fd < 0)
-        throw errno_error(what + "memfd_create");
+      b.fd = create_sealable_memfd("refit-buffer", what);
       buffers_.push_back(b); // owned from here on, released by the catch below
       if (ftruncate(b.fd, static_cast<off_t>(bytes)) != 0)
         throw errno_error(what + "ftruncate");
+      // Sealed before any handle leaves the process: the size is fixed for good, so no
+      // consumer's mapping can lose pages (the contents stay writable: buffers are reused).
+      add_seals(b.fd, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL, what);
       void* addr = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, b.fd, 0);
       if (addr == MAP_FAILED)
         throw errno_error(what + "mmap");
@@ -246,7 +249,7 @@ std::string host_buffer_pool::handle(std::uint32_t i) const {
   return "memfd:" + std::to_string(getpid()) + ":" + std::to_string(buffers_[i].fd);
 }
 
-mapped_buffer::mapped_buffer(const std::string& handle, std::uint64_t size) {
+mapped_buffer::mapped_buffer(const std::string& handle, std::uint64_t size, int producer_pid) {
   const auto fail = [&](const std::string& what) {
     return std::runtime_error("buffer handle '" + handle + "': " + what);
   };
@@ -261,13 +264,15 @@ mapped_buffer::mapped_buffer(const std::string& handle, std::uint64_t size) {
                              + "' (expected memfd:<pid>:<fd>)");
   if (size == 0)
     throw fail("cannot map 0 bytes");
+  if (pid != producer_pid)
+    throw fail("names pid " + std::to_string(pid) + ", but the rank that publishes it is pid "
+               + std::to_string(producer_pid));
 
-  const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
-  // O_NONBLOCK: a handle naming a FIFO must fail below, not block in open().
-  const int local_fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  std::string why;
+  const int local_fd = open_peer_fd(pid, fd, why);
   if (local_fd < 0)
-    throw fail("cannot open " + path + " (" + std::strerror(errno)
-               + "): the producer process or its buffer fd is gone");
+    throw fail(why);
+  const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
   struct stat st {};
   if (fstat(local_fd, &st) != 0) {
     const int err = errno;
@@ -277,6 +282,12 @@ mapped_buffer::mapped_buffer(const std::string& handle, std::uint64_t size) {
   if (!S_ISREG(st.st_mode)) {
     close(local_fd);
     throw fail(path + " is not a memory buffer");
+  }
+  // Only a memfd sealed against shrinking and growing is mapped: nothing the producer does
+  // later can turn a read of this mapping into SIGBUS.
+  if (auto bad = check_seals(local_fd, F_SEAL_SHRINK | F_SEAL_GROW); !bad.empty()) {
+    close(local_fd);
+    throw fail(path + " " + bad);
   }
   if (static_cast<std::uint64_t>(st.st_size) < size) {
     close(local_fd);

@@ -33,7 +33,8 @@ void bulk_copy_to_all(std::byte* const* dsts, std::size_t count, const std::byte
 
 class host_buffer_pool {
 public:
-  // Creates `count` buffers of `bytes` each (memfd + shared mapping, pages touched).
+  // Creates `count` buffers of `bytes` each (memfd + shared mapping, pages touched), each
+  // sealed (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) before its handle exists.
   // Throws std::system_error on failure.
   host_buffer_pool(std::uint32_t count, std::uint64_t bytes);
   ~host_buffer_pool();
@@ -59,8 +60,11 @@ private:
 class mapped_buffer {
 public:
   // Opens `handle` and maps `size` bytes. Throws std::runtime_error naming the handle if it
-  // is malformed, the producer or fd is gone, or the buffer is smaller than `size`.
-  mapped_buffer(const std::string& handle, std::uint64_t size);
+  // is malformed, names another pid than `producer_pid` (the process of the rank that
+  // publishes it), the producer or fd is gone (checked through a pidfd, so a reused pid is
+  // noticed), the file is not a memfd sealed against shrinking and growing, or the buffer is
+  // smaller than `size`.
+  mapped_buffer(const std::string& handle, std::uint64_t size, int producer_pid);
   ~mapped_buffer();
   mapped_buffer(mapped_buffer&& other) noexcept;
   mapped_buffer& operator=(mapped_buffer&& other) noexcept;

@@ -1,6 +1,7 @@
 // Cross-process all-gather over shared memory (see shm_collective.hpp).
 #include "runtime/publication/shm_collective.hpp"
 #include "runtime/publication/host_buffer.hpp"
+#include "runtime/publication/memfd.hpp"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -135,15 +136,6 @@ bool parse_handle(const std::string& handle, int& pid, int& fd) {
          && number(handle.substr(colon + 1), fd);
 }
 
-int open_pidfd(int pid) {
-#if defined(SYS_pidfd_open)
-  return static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
-#else
-  errno = ENOSYS;
-  return -1;
-#endif
-}
-
 std::string bounded(const char* text, std::size_t max) {
   return std::string(text, ::strnlen(text, max));
 }
@@ -153,11 +145,12 @@ std::string bounded(const char* text, std::size_t max) {
 // ------------------------------------------------------------------------------- endpoint
 
 shm_endpoint::shm_endpoint(std::uint32_t rank) : rank_(rank) {
-  fd_ = ::memfd_create("refit-allgather", MFD_CLOEXEC);
-  if (fd_ < 0)
-    throw errno_error("all-gather endpoint: memfd_create");
-  if (::ftruncate(fd_, static_cast<off_t>(header_bytes)) != 0) {
-    auto e = errno_error("all-gather endpoint: ftruncate");
+  fd_ = create_sealable_memfd("refit-allgather", "all-gather endpoint");
+  // The staging area grows (reserve), it never shrinks: sealed against shrinking before the
+  // handle exists, so a peer's mapping can never lose pages (no SIGBUS).
+  if (::ftruncate(fd_, static_cast<off_t>(header_bytes)) != 0
+      || ::fcntl(fd_, F_ADD_SEALS, F_SEAL_SHRINK) != 0) {
+    auto e = errno_error("all-gather endpoint: ftruncate / F_ADD_SEALS");
     ::close(fd_);
     throw e;
   }
@@ -303,11 +296,15 @@ collective_status shm_collective::map_peers() {
       return failure("rank " + std::to_string(m.rank) + " (pid " + std::to_string(p.pid)
                      + ") is not running");
     std::string path = "/proc/" + std::to_string(p.pid) + "/fd/" + std::to_string(fd_no);
-    p.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    std::string why;
+    p.fd = open_peer_fd(p.pid, fd_no, why);
     struct stat st {};
-    if (p.fd < 0 || ::fstat(p.fd, &st) != 0 || !S_ISREG(st.st_mode)
+    if (p.fd >= 0 && why.empty())
+      why = check_seals(p.fd, F_SEAL_SHRINK);
+    if (p.fd < 0 || !why.empty() || ::fstat(p.fd, &st) != 0 || !S_ISREG(st.st_mode)
         || static_cast<std::uint64_t>(st.st_size) < header_bytes) {
-      auto why = p.fd < 0 ? std::string(std::strerror(errno)) : std::string("not an endpoint");
+      if (why.empty())
+        why = "not an endpoint";
       bool gone = !p.alive();
       p.unmap();
       if (gone)

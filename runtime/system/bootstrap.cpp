@@ -40,7 +40,10 @@ proxy_factory make_runtime_proxy_factory(const config::refit_config& cfg,
   opts.model = cfg.model;
   opts.seed = cfg.job.seed;
   opts.init_scale = cfg.trainer.init_scale;
+  opts.model_path = cfg.model_path;
   opts.executable_path = std::move(runtime_exe);
+  if (!cfg.serve.token_env.empty())
+    opts.scrub_env.push_back(cfg.serve.token_env); // whatever its name, the secret stays here
   return [opts](caf::actor_system& sys, std::uint64_t incarnation) -> runtime_proxy_actor {
     // Test-only faults go to the incarnation they name (0 = every one).
     auto o = opts;
@@ -101,7 +104,7 @@ sync_coordinator_options coordinator_options(const config::refit_config& cfg) {
   so.publication = cfg.publication;
   so.timeouts_ms = cfg.runtime.timeouts_ms;
   so.kill_grace_ms = cfg.runtime.kill_grace_ms;
-  so.weights = model::synthetic_weights{cfg.job.seed, cfg.trainer.lr, cfg.trainer.init_scale};
+  so.weights = config::trainer_weights(cfg);
   // A republish waits for the supervisor's whole restart schedule plus one startup.
   so.restart_wait_ms = cfg.runtime.timeouts_ms.startup
                        + cfg.supervisor.backoff_max_ms * (cfg.supervisor.max_restarts + 1) + 10000;
@@ -179,7 +182,7 @@ publication_handles spawn_publication(
       cfg.trainer.devices.empty() ? "runtime.devices[" + std::to_string(r) + "]"
                                   : "trainer.devices[" + std::to_string(r) + "]"));
   auto collectives = publication::make_collective_registry(rank_devices);
-  model::synthetic_weights weights{cfg.job.seed, cfg.trainer.lr, cfg.trainer.init_scale};
+  model::synthetic_weights weights = config::trainer_weights(cfg);
   std::vector<trainer_rank_actor> ranks;
   for (std::uint32_t r = 0; r < world; ++r) {
     trainer_rank_options o;

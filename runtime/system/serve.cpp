@@ -61,7 +61,16 @@ caf::expected<coordinator_services> start_coordinator(caf::actor_system& sys,
   rank_registry_options ro;
   ro.world = config::serve_world(cfg);
   ro.protocol_version = wire::serve_protocol_version;
-  ro.token = std::move(token);
+  // Plain mode: every remote peer proved the secret in the listener's handshake before it
+  // could send a message. TLS: the hello carries the token, to a certificate-verified peer.
+  ro.peers_authenticated = !cfg.serve.tls.enabled;
+  if (cfg.serve.tls.enabled)
+    ro.token = token;
+  auto refusals = std::make_shared<std::shared_ptr<const net::listener_counters>>();
+  ro.external_refusals = [refusals]() -> std::uint64_t {
+    auto c = std::atomic_load(refusals.get());
+    return c ? c->refused.load() : 0;
+  };
   ro.manifest_fingerprint = model::structural_manifest(model::expected_key_stream(cfg.model));
   ro.identity = process_identity();
   ro.coordinator = coordinator_options(cfg);
@@ -72,18 +81,24 @@ caf::expected<coordinator_services> start_coordinator(caf::actor_system& sys,
   ro.generate_timeout_ms = cfg.runtime.timeouts_ms.generate + 10000;
   ro.sleep_wake_timeout_ms
     = std::max(cfg.runtime.timeouts_ms.sleep, cfg.runtime.timeouts_ms.wake_up) + 10000;
-  ro.log = std::move(log);
+  ro.log = log;
   s.registry = sys.spawn(rank_registry, std::move(ro), s.rollout.engine, s.gate);
-  auto bound = net::publish_registry(sys, s.registry, cfg.serve, port);
+  auto bound = net::publish_registry(sys, s.registry, cfg.serve, token, port, log);
   if (!bound) {
     stop_coordinator(sys, s);
     return bound.error();
   }
-  s.port = *bound;
+  s.port = bound->port;
+  s.listener = bound->listener;
+  if (s.listener)
+    std::atomic_store(refusals.get(), s.listener->shared_counters());
   return s;
 }
 
 void stop_coordinator(caf::actor_system& sys, const coordinator_services& s) {
+  // The port closes first: no new peer is admitted while the services go.
+  if (s.listener)
+    s.listener->stop();
   if (s.registry)
     caf::anon_send_exit(s.registry, caf::exit_reason::user_shutdown);
   if (s.gate)

@@ -16,6 +16,7 @@
 #include "actors/interfaces.hpp"
 #include "runtime/system/bootstrap.hpp"
 #include "runtime/config/config.hpp"
+#include "runtime/system/guarded_listener.hpp"
 
 namespace refit::serve {
 
@@ -32,6 +33,8 @@ struct coordinator_services {
   consensus_gate_actor gate;
   rank_registry_actor registry;
   std::uint16_t port = 0; // where the registry listens
+  // Plain TCP mode: the listener that admits authenticated peers (null with TLS).
+  std::shared_ptr<net::guarded_listener> listener;
 };
 
 // Starts everything (blocking until the runtime is IDLE, at most timeouts_ms.startup + 10 s)

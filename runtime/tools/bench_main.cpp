@@ -1,7 +1,8 @@
 // refit-bench: benchmarks of refit's hot paths on a recipe (configs/*.yaml).
 //
 //   refit-bench publish --config configs/bench-cpu.yaml [--iterations N] [--verify] [--json]
-//   refit-bench soak --config configs/tiny-cpu.yaml --cycles N [--seed S] [--json]
+//   refit-bench soak --config configs/tiny-synthetic.yaml --cycles N [--seed S] [--json]
+//   refit-bench tokenize --tokenizer DIR --corpus FILE.jsonl [--seconds S] [--json]
 //
 // `publish` (runtime/bench/publish_bench.hpp) times whole publications against a bound
 // measured in the same run. `soak` (runtime/bench/soak.hpp) runs N publish/fault/restart
@@ -9,6 +10,8 @@
 // against the trainer's reference and reports leaked processes, /dev/shm entries and fds; it
 // exits 1 unless all N cycles committed with nothing stale and nothing leaked.
 // This file only parses flags and prints.
+#include <cstdio>
+#include <fstream>
 #include <iostream>
 #include <string>
 
@@ -19,6 +22,7 @@
 #include "runtime/bench/soak.hpp"
 #include "runtime/config/config.hpp"
 #include "runtime/control/process.hpp"
+#include "runtime/tokenizer/tokenize_bench.hpp"
 
 namespace {
 
@@ -90,6 +94,19 @@ int main(int argc, char** argv) {
                    "(default 500), so that injected stalls are detected quickly")
     ->check(CLI::Range(1u, 3600000u));
   soak->add_flag("--json", so.as_json, "print one JSON object instead of a table");
+  std::string tok_path, corpus_path;
+  double tok_seconds = 3.0;
+  bool tok_json = false;
+  auto* tokenize = app.add_subcommand(
+    "tokenize",
+    "Single-thread encode throughput (MB/s, MB = 1e6 bytes of UTF-8 input) of refit's tokenizer "
+    "over a corpus of JSON lines {\"text\": ...}, repeated for at least --seconds; prints "
+    "mb_per_s, tokens_per_pass and a digest of the ids (every pass must give the same ids).");
+  tokenize->add_option("--tokenizer", tok_path, "tokenizer.json or a model directory")->required();
+  tokenize->add_option("--corpus", corpus_path, "JSON lines with a \"text\" field")->required();
+  tokenize->add_option("--seconds", tok_seconds, "minimum timed seconds (default 3)")
+    ->check(CLI::Range(0.01, 600.0));
+  tokenize->add_flag("--json", tok_json, "print one JSON object");
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -99,6 +116,39 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     std::cerr << program << ": bad arguments: " << e.what() << " (see --help)" << std::endl;
     return 2;
+  }
+
+  if (tokenize->parsed()) {
+    try {
+      const auto tok = refit::tokenizer::tokenizer::load(tok_path);
+      std::ifstream in(corpus_path);
+      if (!in)
+        return fail("cannot open corpus '" + corpus_path + "'");
+      std::vector<std::string> texts;
+      std::string line;
+      for (std::size_t n = 1; std::getline(in, line); ++n) {
+        if (line.empty())
+          continue;
+        const auto j = json::parse(line, nullptr, false);
+        if (j.is_discarded() || !j.contains("text") || !j["text"].is_string())
+          return fail(corpus_path + ":" + std::to_string(n) + ": not a JSON object with a \"text\" string");
+        texts.push_back(j["text"].get<std::string>());
+      }
+      auto r = refit::tokenizer::run_tokenize_bench(tok, texts, tok_seconds);
+      r["tokenizer"] = tok_path;
+      r["corpus"] = corpus_path;
+      if (tok_json)
+        std::cout << r.dump(2) << std::endl;
+      else
+        std::printf("refit-bench tokenize  %s\n  %.2f MB/s single thread, %llu tokens per pass, "
+                    "ids digest %s\n",
+                    tok_path.c_str(), r["mb_per_s"].get<double>(),
+                    static_cast<unsigned long long>(r["tokens_per_pass"].get<std::uint64_t>()),
+                    r["ids_digest"].get<std::string>().c_str());
+    } catch (const std::exception& e) {
+      return fail(std::string("tokenize: ") + e.what());
+    }
+    return 0;
   }
 
   const bool soaking = soak->parsed();

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdio>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <unistd.h>
 
@@ -21,7 +22,6 @@
 #include <nlohmann/json.hpp>
 
 #include "runtime/system/bootstrap.hpp"
-#include "runtime/inference/tokenizer.hpp"
 #include "runtime/system/network.hpp"
 #include "runtime/control/protocol_version.hpp"
 #include "runtime/system/serve.hpp"
@@ -48,13 +48,15 @@ struct iteration_report {
   double mean_logprob = 0;
   double parity_max_abs = 0;
   bool parity_ok = false;
-  std::string sample_text;
+  std::vector<std::string> prompts;       // the job's prompts (text)
+  std::vector<refit::sample> samples;     // what the runtime generated
+  std::vector<std::string> texts;         // each sample's decoded completion
 };
 
 class main_job {
 public:
   main_job(caf::actor_system& sys, refit::config::refit_config cfg)
-    : sys_(sys), self_(sys), cfg_(std::move(cfg)) {}
+    : sys_(sys), self_(sys), cfg_(std::move(cfg)), codec_(cfg_) {}
 
   // Returns a process exit code.
   int run(bool as_json) {
@@ -98,7 +100,7 @@ private:
   // Generates the batch and checks it against the trainer's reference at `step`.
   void generate_and_check(iteration_report& rep, std::uint64_t step) {
     auto sc = refit::job::sampling(cfg_.job, cfg_.job.seed);
-    auto req = refit::job::batch(cfg_.job, sc);
+    auto req = refit::job::batch(cfg_.job, sc, codec_);
     auto t0 = std::chrono::steady_clock::now();
     auto res = ask<refit::generate_result>(rollout_.engine, "generate", refit::generate_atom::value, req);
     rep.generate_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -113,8 +115,10 @@ private:
     }
     rep.tokens_per_s = rep.generate_ms > 0 ? rep.tokens / (rep.generate_ms / 1000.0) : 0;
     rep.mean_logprob = rep.tokens ? sum / rep.tokens : 0;
-    if (!res.samples.empty())
-      rep.sample_text = refit::inference::byte_tokenizer::decode(res.samples.front().token_ids);
+    rep.prompts = cfg_.job.prompts;
+    for (const auto& s : res.samples)
+      rep.texts.push_back(codec_.decode(s.token_ids));
+    rep.samples = res.samples;
     // Parity: the trainer's full weights at `step`, the same sampling processing.
     rep.parity_max_abs = refit::job::parity_max_abs(cfg_, step, res.samples, sc);
     rep.parity_ok = rep.parity_max_abs <= cfg_.job.parity_tolerance;
@@ -129,18 +133,38 @@ private:
                    {"generate_ms", r.generate_ms},   {"tokens", r.tokens},
                    {"tokens_per_s", r.tokens_per_s}, {"mean_logprob", r.mean_logprob},
                    {"parity_max_abs", r.parity_max_abs}, {"parity_ok", r.parity_ok}};
-      std::cout << line.dump() << std::endl;
+      json samples = json::array();
+      for (std::size_t i = 0; i < r.samples.size(); ++i) {
+        const auto& s = r.samples[i];
+        samples.push_back({{"prompt", s.prompt_index < r.prompts.size() ? r.prompts[s.prompt_index]
+                                                                         : std::string()},
+                           {"prompt_token_ids", s.prompt_token_ids},
+                           {"token_ids", s.token_ids},
+                           {"logprobs", s.logprobs},
+                           {"text", r.texts[i]},
+                           {"finish_reason", s.finish_reason}});
+      }
+      line["samples"] = std::move(samples);
+      // Invalid UTF-8 in a decoded prefix of a multi-byte character becomes U+FFFD.
+      std::cout << line.dump(-1, ' ', false, json::error_handler_t::replace) << std::endl;
       return;
     }
-    std::string text = r.sample_text;
-    for (auto& c : text)
-      if (static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) >= 0x7f)
-        c = '.';
     std::printf("iter %2u  version %2llu  publish %8.2f ms %7.3f GB/s (%u chunks)  generate "
-                "%8.1f tok/s  mean logprob %8.4f  parity max|d| %.2e %s  \"%s\"\n",
+                "%8.1f tok/s  mean logprob %8.4f  parity max|d| %.2e %s\n",
                 r.iteration, static_cast<unsigned long long>(r.version), r.publish_ms,
                 r.publish_gbps, r.chunks, r.tokens_per_s, r.mean_logprob, r.parity_max_abs,
-                r.parity_ok ? "ok" : "FAIL", text.c_str());
+                r.parity_ok ? "ok" : "FAIL");
+    for (std::size_t i = 0; i < r.samples.size(); ++i) {
+      const auto& s = r.samples[i];
+      std::string prompt = s.prompt_index < r.prompts.size() ? r.prompts[s.prompt_index] : "";
+      std::string text = r.texts[i];
+      for (std::string* t : {&prompt, &text})
+        for (auto& c : *t)
+          if (c == '\n' || c == '\r' || c == '\t')
+            c = ' ';
+      std::printf("    [%zu] %s|%s  (%s)\n", i, prompt.c_str(), text.c_str(),
+                  s.finish_reason.c_str());
+    }
     if (r.attempts > 1)
       std::printf("         republished after %u failed attempt(s): %s\n", r.attempts - 1,
                   r.recovered.c_str());
@@ -213,6 +237,7 @@ private:
   caf::actor_system& sys_;
   caf::scoped_actor self_;
   refit::config::refit_config cfg_;
+  refit::job::text_codec codec_;
   std::string runtime_exe_;
   refit::rollout_handles rollout_;
   refit::publication_handles publication_;
@@ -272,7 +297,8 @@ int serve_main(const std::string& config_path, const std::string& host, int port
   try {
     cfg = config_path.empty()
             ? refit::config::parse_yaml(refit::config::embedded_default_yaml(),
-                                        "<embedded tiny-cpu.yaml>")
+                                        "<embedded tiny-cpu.yaml>",
+                                        refit::config::embedded_base_dir())
             : refit::config::load_file(config_path);
     if (!host.empty())
       cfg.serve.host = host;
@@ -294,6 +320,11 @@ int serve_main(const std::string& config_path, const std::string& host, int port
     runtime_exe = refit::proc::resolve_executable(cfg.runtime.executable);
   } catch (const std::exception& e) {
     return fail(std::string("bad config: runtime.executable: ") + e.what());
+  }
+  try {
+    (void)refit::config::trainer_weights(cfg); // the whole checkpoint, before anything runs
+  } catch (const std::exception& e) {
+    return fail(std::string("bad model: ") + e.what());
   }
   // SIGTERM/SIGINT are taken with sigwait below: block them before any thread exists, so that
   // every CAF thread inherits the mask.
@@ -349,15 +380,30 @@ int main(int argc, char** argv) {
                "parity check outside job.parity_tolerance."};
   std::string config_path;
   bool as_json = false;
-  unsigned iterations = 0;
   app.add_option("-c,--config", config_path,
                  "YAML recipe (see configs/); default: the embedded configs/tiny-cpu.yaml")
     ->check(CLI::ExistingFile);
   app.add_flag("--json", as_json,
                "print one JSON object per iteration (version, publish_ms, publish_gbps, "
                "tokens_per_s, mean_logprob, parity_max_abs, ...) instead of text lines");
-  app.add_option("-n,--iterations", iterations, "iterations of the loop (overrides job.iterations)")
-    ->check(CLI::Range(1u, 1000000u));
+  std::optional<unsigned> iterations_opt;
+  app.add_option("-n,--iterations", iterations_opt,
+                 "iterations of the loop (overrides job.iterations); 0 runs only the bootstrap "
+                 "generation with the checkpoint weights")
+    ->check(CLI::Range(0u, 1000000u));
+  std::string model_dir;
+  app.add_option("--model", model_dir,
+                 "a Hugging Face model directory (config.json, model.safetensors[.index.json], "
+                 "tokenizer.json): serve it instead of the recipe's model (sets model.path)")
+    ->check(CLI::ExistingDirectory);
+  std::vector<std::string> prompts;
+  app.add_option("--prompt", prompts, "a prompt as text (repeatable; replaces job.prompts)");
+  std::optional<float> temperature;
+  app.add_option("--temperature", temperature, "sampling temperature, 0 = greedy (job.temperature)");
+  std::optional<unsigned> max_tokens;
+  app.add_option("--max-tokens", max_tokens, "tokens to generate per sample (job.max_tokens)");
+  std::optional<std::uint64_t> seed;
+  app.add_option("--seed", seed, "sampling and synthetic-weight seed (job.seed)");
   std::vector<std::string> faults;
   app.add_option("--fault", faults,
                  "test-only fault injection (repeatable): runtime:COMMAND:KIND[:AFTER[:INCARNATION]] "
@@ -394,14 +440,25 @@ int main(int argc, char** argv) {
   try {
     cfg = config_path.empty()
             ? refit::config::parse_yaml(refit::config::embedded_default_yaml(),
-                                        "<embedded tiny-cpu.yaml>")
+                                        "<embedded tiny-cpu.yaml>",
+                                        refit::config::embedded_base_dir())
             : refit::config::load_file(config_path);
-  } catch (const refit::config::config_error& e) {
+    if (!model_dir.empty())
+      refit::config::use_model_dir(cfg, model_dir);
+  } catch (const std::exception& e) {
     std::cerr << "refit-coordinator: bad config: " << e.what() << std::endl;
     return 1;
   }
-  if (iterations > 0)
-    cfg.job.iterations = iterations;
+  if (iterations_opt)
+    cfg.job.iterations = *iterations_opt;
+  if (!prompts.empty())
+    cfg.job.prompts = prompts;
+  if (temperature)
+    cfg.job.temperature = *temperature;
+  if (max_tokens)
+    cfg.job.max_tokens = *max_tokens;
+  if (seed)
+    cfg.job.seed = *seed;
   if (!journal_path.empty()) {
     cfg.journal.enabled = true;
     cfg.journal.path = journal_path;
@@ -411,7 +468,7 @@ int main(int argc, char** argv) {
       add_fault(cfg, f);
     refit::config::validate(cfg);
   } catch (const std::exception& e) {
-    std::cerr << "refit-coordinator: bad --fault: " << e.what() << std::endl;
+    std::cerr << "refit-coordinator: bad command line: " << e.what() << std::endl;
     return 1;
   }
   std::string runtime_exe;
@@ -421,14 +478,26 @@ int main(int argc, char** argv) {
     std::cerr << "refit-coordinator: bad config: runtime.executable: " << e.what() << std::endl;
     return 1;
   }
+  // A checkpoint is checked whole (every tensor, shape, dtype, byte range) before anything
+  // is spawned: a bad one is one error naming file and tensor, and nothing is served.
+  try {
+    (void)refit::config::trainer_weights(cfg);
+    (void)refit::job::text_codec(cfg);
+  } catch (const std::exception& e) {
+    std::cerr << "refit-coordinator: bad model: " << e.what() << std::endl;
+    return 1;
+  }
   caf::actor_system_config sys_cfg;
   refit::configure(sys_cfg);
   int rc = 0;
-  {
+  try {
     caf::actor_system sys{sys_cfg};
     main_job job{sys, cfg};
     job.set_runtime_exe(runtime_exe);
     rc = job.run(as_json);
+  } catch (const std::exception& e) { // the tokenizer or checkpoint of model.path
+    std::cerr << "refit-coordinator: " << e.what() << std::endl;
+    return 1;
   }
   if (rc == 0 && !as_json)
     std::printf("refit-coordinator: %u iterations, parity ok, runtime shut down cleanly\n",
