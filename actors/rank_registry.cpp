@@ -59,8 +59,8 @@ caf::error registry_refuse(self_ptr self, errc code, const std::string& where,
   return refuse(self, code, where, what, log_what);
 }
 
-bool registry_same_secret(const std::string& given, const std::string& expected) {
-  return same_secret(given, expected);
+bool registry_token_ok(const rank_registry_state& st, const std::string& given) {
+  return token_ok(st, given);
 }
 
 namespace {

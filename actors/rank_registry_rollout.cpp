@@ -13,7 +13,7 @@ using self_ptr = rank_registry_impl::stateful_pointer<rank_registry_state>;
 
 caf::error registry_refuse(self_ptr self, errc code, const std::string& where,
                            const std::string& what, const std::string& log_what);
-bool registry_same_secret(const std::string& given, const std::string& expected);
+bool registry_token_ok(const rank_registry_state& st, const std::string& given);
 
 namespace {
 
@@ -22,9 +22,7 @@ namespace {
 std::optional<caf::error> refuse_rollout(self_ptr self, const std::string& token,
                                          const std::string& what) {
   auto& st = self->state;
-  // As hello / join / status: the listener's handshake already proved the secret (plain
-  // TCP: peers_authenticated, and the message carries none); with TLS the token travels.
-  if (!st.opts.peers_authenticated && !registry_same_secret(token, st.opts.token))
+  if (!registry_token_ok(st, token))
     return registry_refuse(self, errc::unauthorized, what + ".token",
                   "wrong or missing shared secret (serve.token / serve.token_env)",
                   what + ": wrong token");

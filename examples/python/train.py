@@ -43,7 +43,8 @@ def main():
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world)
     with open(args.config) as f:
-        cfg = Config.from_model_section(yaml.safe_load(f)["model"])
+        cfg = Config.from_model_section(yaml.safe_load(f)["model"],
+                                        os.path.dirname(os.path.abspath(args.config)))
     model = Qwen3MoeForCausalLM(cfg, seed=1)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
 

@@ -31,15 +31,30 @@ class Config:
         self.torch_dtype = torch_dtype
 
     @classmethod
-    def from_model_section(cls, m):
-        """From a recipe's `model:` mapping (HF config.json names)."""
+    def from_model_section(cls, m, base_dir="."):
+        """From a recipe's `model:` mapping (HF config.json names), or the config.json of the
+        checkpoint folder it names (`path`, relative to `base_dir`: the recipe's folder), with
+        the mapping's own keys taking precedence."""
+        import json
+        import os
+        fields = {}
+        if "path" in m:
+            with open(os.path.join(base_dir, m["path"], "config.json")) as f:
+                fields.update(json.load(f))
+            if "num_local_experts" in fields and "num_experts" not in fields:
+                fields["num_experts"] = fields["num_local_experts"]
+            if "rope_theta" not in fields and isinstance(fields.get("rope_parameters"), dict):
+                fields["rope_theta"] = fields["rope_parameters"].get("rope_theta", 1e6)
+            if "dtype" in fields and "torch_dtype" not in fields:
+                fields["torch_dtype"] = fields["dtype"]
+        fields.update(m)
         dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
         keys = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
                 "vocab_size", "rms_norm_eps", "rope_theta", "norm_topk_prob")
-        kw = {k: m[k] for k in keys if k in m}
-        if "torch_dtype" in m:
-            kw["torch_dtype"] = dtypes[m["torch_dtype"]]
+        kw = {k: fields[k] for k in keys if k in fields}
+        if "torch_dtype" in fields:
+            kw["torch_dtype"] = dtypes[fields["torch_dtype"]]
         return cls(**kw)
 
 

@@ -45,21 +45,21 @@ def recipe(tmp_path):
     count = [0]
 
     def make(world, tp=None, embedded=False, port=0, trainer_faults="", gate_deadline_ms=30000,
-             join_timeout_ms=20000):
+             join_timeout_ms=20000, model=MODEL, buffer_bytes=65536):
         tp = tp or world
         count[0] += 1
         path = tmp_path / ("recipe-%d.yaml" % count[0])
         devices = ", ".join("cpu:%d" % r for r in range(tp))
         faults = ", faults: %s" % trainer_faults if trainer_faults else ""
         path.write_text(
-            "model: %s\n" % MODEL
+            "model: %s\n" % model
             + "runtime: {executable: %s, tp_size: %d, devices: [%s], kill_grace_ms: 300}\n"
             % (runtime, tp, devices)
             + "supervisor: {max_restarts: 3, backoff_initial_ms: 20, backoff_max_ms: 100}\n"
             + "trainer: {lr: 0.001, init_scale: 0.02%s}\n" % faults
-            + "publication: {buffer_bytes: 65536, buffer_count: 2, verify: true, "
+            + "publication: {buffer_bytes: %d, buffer_count: 2, verify: true, "
               "gate_deadline_ms: %d, memory_headroom_bytes: 1048576, republish_attempts: 1}\n"
-            % gate_deadline_ms
+            % (buffer_bytes, gate_deadline_ms)
             + "job: {seed: 1234}\n"
             + "serve: {host: 127.0.0.1, port: %d, token_env: REFIT_PY_TOKEN, world_size: %d, "
               "embedded: %s, publish_barrier_ms: 60000, join_timeout_ms: %d}\n"

@@ -351,6 +351,7 @@ error host::impl::connect_steps() {
   // In plain mode the connection already proved the secret both ways, and the secret never
   // travels: the fields stay empty. (An embedded coordinator is this process: no wire at all.)
   const std::string wire_token = cfg.serve.tls.enabled ? token : std::string();
+  token = wire_token; // what the rollout requests (generate, sleep, wake, status) carry too
   // hello: protocol version (and, with TLS, the shared secret); the answer carries the gate.
   welcome w;
   consensus_gate_actor gate;

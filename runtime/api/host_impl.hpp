@@ -41,7 +41,8 @@ struct host::impl {
   std::shared_ptr<refit::publication::registered_weights> registered;
   std::vector<tensor_spec> tensors;
   std::string address; // host:port of the coordinator
-  std::string token;   // the shared secret (resolved by connect)
+  std::string token;   // what requests to the registry carry: the secret with TLS, else ""
+                       // (the serve handshake authenticated the connection)
 
   std::unique_ptr<caf::actor_system_config> sys_cfg;
   std::unique_ptr<caf::actor_system> sys;

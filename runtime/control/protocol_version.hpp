@@ -13,7 +13,7 @@ inline constexpr std::uint32_t protocol_version = 2; // 2: header.producer_pids
 // layer). A hello or join with another version is refused with errc::protocol_mismatch.
 // Bump it whenever a message that crosses processes changes shape or meaning.
 // 2: the serve handshake before BASP; hello/join tokens only with TLS.
-// 3: and rank_info.weight_source, publication_spec.tp / verify, rank_report.digest_terms
+// 3: rank_info.weight_source, publication_spec.tp / verify, rank_report.digest_terms
 //    (registered tensors); the registry's generate / sleep / wake.
 inline constexpr std::uint32_t serve_protocol_version = 3;
 
