@@ -24,7 +24,7 @@ engine_status rollout_engine_state::status() const {
   s.sleep_level = runtime.sleep_level;
   s.weights_awake = runtime.weights_awake;
   s.kv_cache_awake = runtime.kv_cache_awake;
-  s.last_error = last_error;
+  s.last_error = gave_up ? gave_up_reason : last_error;
   s.gave_up = gave_up;
   return s;
 }
@@ -56,7 +56,7 @@ caf::error refuse_unless_connected(const rollout_engine_state& st, const char* w
     case connection_state::detached:
       if (st.gave_up)
         return make_refit_error(errc::restart_limit, what,
-                                "the runtime is gone for good: " + st.last_error);
+                                "the runtime is gone for good: " + st.gave_up_reason);
       return make_refit_error(errc::not_attached, what,
                               "no runtime is attached (it is starting or being restarted)");
     case connection_state::broken:
@@ -663,6 +663,7 @@ rollout_engine_actor::behavior_type rollout_engine(self_ptr self, rollout_engine
     [=](gave_up_atom, const std::string& reason) {
       auto& st = self->state;
       st.gave_up = true;
+      st.gave_up_reason = reason;
       st.last_error = reason;
     },
   };

@@ -38,6 +38,9 @@ struct rollout_engine_state {
   std::uint32_t next_chunk = 0;
   std::string last_error;
   bool gave_up = false;                // the supervisor will not attach another runtime
+  // Why it gave up. Reported as last_error from then on: the proxy's own DOWN may reach the
+  // engine after the supervisor's gave_up and must not replace the reason.
+  std::string gave_up_reason;
 
   engine_status status() const;
 };

@@ -332,6 +332,9 @@ TEST(BadFiles, RefusedWithFileAndField) {
   };
   expect_refused(load_text("{\"model\": [1, 2,, 3]}"), "tokenizer.json", "",
                  "invalid JSON at byte offset 16");
+  // Ids index dense tables: a sparse id far past the vocabulary is refused, not allocated.
+  expect_refused(with([](json& j) { j["model"]["vocab"]["zz"] = 68888888; }), "tokenizer.json",
+                 "model.vocab.zz", "token id 68888888 is out of range [0, 4194303]");
   expect_refused(with([](json& j) { j["model"]["type"] = "WordPiece"; }), "tokenizer.json",
                  "model.type", "unsupported model type 'WordPiece'");
   expect_refused(with([](json& j) { j["model"]["type"] = "Unigram"; }), "tokenizer.json",

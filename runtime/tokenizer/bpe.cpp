@@ -57,8 +57,9 @@ bpe_model::bpe_model(const json_node& model) {
   for (auto it = vocab.value().begin(); it != vocab.value().end(); ++it) {
     json_node idn(it.value(), vocab.path() + "." + it.key(), vocab.file());
     auto id = idn.integer();
-    if (id < 0 || id > INT32_MAX - 1)
-      idn.fail("token id out of range: " + std::to_string(id));
+    if (id < 0 || id > max_token_id)
+      idn.fail("token id " + std::to_string(id) + " is out of range [0, "
+               + std::to_string(max_token_id) + "]");
     auto [pos, fresh] = seen.emplace(static_cast<std::int32_t>(id), &it.key());
     if (!fresh)
       idn.fail("id " + std::to_string(id) + " also belongs to token '" + *pos->second + "'");

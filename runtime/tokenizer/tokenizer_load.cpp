@@ -110,7 +110,7 @@ void read_added_tokens(const json_node& list, tokenizer::state& s) {
     auto t = std::make_unique<added_token>();
     auto idn = n.at("id");
     auto id = idn.integer();
-    if (id < 0 || id > INT32_MAX - 1)
+    if (id < 0 || id > max_token_id)
       idn.fail("token id out of range: " + std::to_string(id));
     t->id = static_cast<std::int32_t>(id);
     t->content = n.at("content").str();
