@@ -1,6 +1,7 @@
 // Test helpers: tiny safetensors files and HF model directories written by the test itself.
 #pragma once
 
+#include "runtime/checkpoint/safetensors.hpp"
 #include "runtime/model/qwen3_moe.hpp"
 
 #include <gtest/gtest.h>
@@ -17,6 +18,22 @@
 #include <unistd.h>
 
 namespace refit::testing {
+
+// Runs `f`, expecting a checkpoint_error whose text contains every one of `parts`.
+template <class F>
+inline checkpoint::checkpoint_error expect_refused(F&& f, const std::vector<std::string>& parts) {
+  try {
+    f();
+  } catch (const checkpoint::checkpoint_error& e) {
+    const std::string text = e.what();
+    for (const auto& p : parts)
+      EXPECT_NE(text.find(p), std::string::npos) << "'" << p << "' not in: " << text;
+    return e;
+  }
+  ADD_FAILURE() << "expected a checkpoint_error";
+  return checkpoint::checkpoint_error("", "", "", "");
+}
+
 
 struct tensor_spec {
   std::string name;

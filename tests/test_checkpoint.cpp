@@ -14,21 +14,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// Runs `f`, expecting a checkpoint_error whose text contains every one of `parts`.
-template <class F>
-checkpoint_error expect_refused(F&& f, const std::vector<std::string>& parts) {
-  try {
-    f();
-  } catch (const checkpoint_error& e) {
-    const std::string text = e.what();
-    for (const auto& p : parts)
-      EXPECT_NE(text.find(p), std::string::npos) << "'" << p << "' not in: " << text;
-    return e;
-  }
-  ADD_FAILURE() << "expected a checkpoint_error";
-  return checkpoint_error("", "", "", "");
-}
-
 // Writes `bytes` to a file and opens it.
 std::unique_ptr<safetensors_file> open_bytes(const std::string& name, const std::string& bytes) {
   const auto dir = fresh_dir("st");

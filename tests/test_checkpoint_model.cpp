@@ -23,19 +23,6 @@ using json = nlohmann::json;
 
 namespace {
 
-template <class F>
-void expect_refused(F&& f, const std::vector<std::string>& parts) {
-  try {
-    f();
-  } catch (const checkpoint_error& e) {
-    const std::string text = e.what();
-    for (const auto& p : parts)
-      EXPECT_NE(text.find(p), std::string::npos) << "'" << p << "' not in: " << text;
-    return;
-  }
-  ADD_FAILURE() << "expected a checkpoint_error";
-}
-
 // 2 layers, hidden 8, 2 heads / 1 KV head of 4, 2 experts (top-1) of 4, vocab 16.
 json tiny_config(bool tied = false) {
   return json{{"architectures", {"Qwen3MoeForCausalLM"}}, {"model_type", "qwen3_moe"},
