@@ -284,23 +284,16 @@ void read_model(yaml_reader& r, const YAML::Node& node, const std::string& path,
     } catch (const std::exception& e) {
       r.fail(child_path(path, "path"), node["path"], e.what());
     }
-    // Fields given next to the path must say what config.json says.
-    const std::string ours = model_to_yaml(m), theirs = model_to_yaml(hf);
-    auto value_of = [](const std::string& flow, const std::string& key) {
-      const std::string needle = " " + key + ": ";
-      auto pos = flow.find(needle);
-      if (pos == std::string::npos)
-        pos = flow.find("{" + key + ": ") == 0 ? 0 : std::string::npos;
-      if (pos == std::string::npos)
-        return std::string();
-      pos = flow.find(": ", pos) + 2;
-      return flow.substr(pos, flow.find_first_of(",}", pos) - pos);
-    };
-    for (const auto& key : seen)
-      if (value_of(ours, key) != value_of(theirs, key))
+    // Fields given next to the path must say what config.json says (compared as the text
+    // model_to_yaml renders for both, so 1e6 and 1000000.0 are the same value).
+    const YAML::Node ours = YAML::Load(model_to_yaml(m)), theirs = YAML::Load(model_to_yaml(hf));
+    for (const auto& key : seen) {
+      const auto given = ours[key].as<std::string>(), wanted = theirs[key].as<std::string>();
+      if (given != wanted)
         r.fail(child_path(path, key), node[key],
-               value_of(ours, key) + " differs from " + (resolved / "config.json").string()
-                 + " (" + value_of(theirs, key) + "); leave it out");
+               given + " differs from " + (resolved / "config.json").string() + " (" + wanted
+                 + "); leave it out");
+    }
     m = hf;
     *model_path = resolved.string();
     return;
