@@ -27,8 +27,12 @@ struct model_source::impl {
 
 std::shared_ptr<const model_source> model_source::open(const std::string& dir,
                                                        const model::model_config& cfg) {
-  hf_model m = read_hf_config(dir);
-  m.cfg = cfg; // the recipe's model (the same config.json; a dtype override stays the caller's)
+  // The caller's model config (read from this directory's config.json by
+  // read_model_config): config.json is not read a second time.
+  hf_model m;
+  m.model_type = cfg.model_type;
+  m.cfg = cfg;
+  m.intermediate_size = cfg.intermediate_size;
   m.dtype_declared = true;
   auto files = checkpoint_files::open(dir);
   model_weights weights(files, m);
