@@ -55,8 +55,9 @@ struct iteration_report {
 
 class main_job {
 public:
-  main_job(caf::actor_system& sys, refit::config::refit_config cfg)
-    : sys_(sys), self_(sys), cfg_(std::move(cfg)), codec_(cfg_) {}
+  // `codec` is the recipe's tokenizer, loaded (and checked) once by the caller.
+  main_job(caf::actor_system& sys, refit::config::refit_config cfg, refit::job::text_codec codec)
+    : sys_(sys), self_(sys), cfg_(std::move(cfg)), codec_(std::move(codec)) {}
 
   // Returns a process exit code.
   int run(bool as_json) {
@@ -480,9 +481,10 @@ int main(int argc, char** argv) {
   }
   // A checkpoint is checked whole (every tensor, shape, dtype, byte range) before anything
   // is spawned: a bad one is one error naming file and tensor, and nothing is served.
+  std::optional<refit::job::text_codec> codec;
   try {
     (void)refit::config::trainer_weights(cfg);
-    (void)refit::job::text_codec(cfg);
+    codec.emplace(cfg);
   } catch (const std::exception& e) {
     std::cerr << "refit-coordinator: bad model: " << e.what() << std::endl;
     return 1;
@@ -492,10 +494,10 @@ int main(int argc, char** argv) {
   int rc = 0;
   try {
     caf::actor_system sys{sys_cfg};
-    main_job job{sys, cfg};
+    main_job job{sys, cfg, std::move(*codec)};
     job.set_runtime_exe(runtime_exe);
     rc = job.run(as_json);
-  } catch (const std::exception& e) { // the tokenizer or checkpoint of model.path
+  } catch (const std::exception& e) { // the actor system or the job itself
     std::cerr << "refit-coordinator: " << e.what() << std::endl;
     return 1;
   }
