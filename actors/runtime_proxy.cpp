@@ -32,6 +32,8 @@ std::vector<std::string> runtime_arguments(const runtime_proxy_options& opts) {
                                 "--devices", devices,
                                 "--model", config::model_to_yaml(opts.model),
                                 "--kv-cache-bytes", std::to_string(rt.kv_cache_bytes),
+                                "--compute-dtype", rt.compute_dtype,
+                                "--max-batch", std::to_string(rt.max_batch),
                                 "--max-frame-bytes", std::to_string(rt.max_frame_bytes),
                                 "--seed", std::to_string(opts.seed),
                                 "--init-scale", init_scale};

@@ -172,11 +172,10 @@ pb::GenerateResult server::generate(const pb::GenerateRequest& request) {
                         "half-written by a publication); publish weights first");
 
   const inference::generate_input input = to_input(request);
-  const inference::engine_options options = generation_options();
+  const inference::engine_options options = generation_options(options_);
   try {
     inference::plan_request(options_.model,
-                            inference::kv_geometry::of(options_.model, layout_->tp(),
-                                                       options.block_size),
+                            inference::engine_kv_geometry(options_.model, layout_->tp(), options),
                             options_.kv_cache_bytes, input);
   } catch (const inference::request_error& e) {
     throw command_error(pb::ERROR_CODE_INVALID_ARGUMENT, "generate." + e.where, e.what());

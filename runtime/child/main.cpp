@@ -48,6 +48,8 @@ struct raw_arguments {
   std::string devices;
   std::string model;
   std::uint64_t kv_cache_bytes = 0;
+  std::string compute_dtype = "auto";
+  std::uint32_t max_batch = 256;
   std::uint64_t max_frame_bytes = refit::wire::default_max_frame_bytes;
   std::uint64_t seed = 0;
   float init_scale = 0.02f;
@@ -116,6 +118,27 @@ refit::child::server_options validate(const raw_arguments& args) {
   if (args.kv_cache_bytes == 0)
     throw option_error("--kv-cache-bytes", "the KV cache needs at least 1 byte");
   options.kv_cache_bytes = args.kv_cache_bytes;
+  if (args.compute_dtype == "auto") {
+    const bool on_gpu = options.devices.front().k == refit::device::kind::cuda;
+    options.compute_dtype = on_gpu && options.model.torch_dtype == refit::model::dtype::bfloat16
+                              ? refit::model::dtype::bfloat16
+                              : refit::model::dtype::float32;
+  } else if (args.compute_dtype == "float32" || args.compute_dtype == "bfloat16") {
+    options.compute_dtype = args.compute_dtype == "float32" ? refit::model::dtype::float32
+                                                            : refit::model::dtype::bfloat16;
+    if (options.compute_dtype == refit::model::dtype::bfloat16
+        && options.model.torch_dtype != refit::model::dtype::bfloat16)
+      throw option_error("--compute-dtype", "bfloat16 needs a bfloat16 model (--model has "
+                                              + std::string(refit::model::dtype_name(
+                                                options.model.torch_dtype))
+                                              + ")");
+  } else {
+    throw option_error("--compute-dtype", "'" + args.compute_dtype
+                                            + "' is not one of auto, float32, bfloat16");
+  }
+  if (args.max_batch == 0)
+    throw option_error("--max-batch", "max batch must be at least 1");
+  options.max_batch = args.max_batch;
   if (args.max_frame_bytes < 1024 || args.max_frame_bytes > UINT32_MAX)
     throw option_error("--max-frame-bytes", std::to_string(args.max_frame_bytes)
                                               + " is outside 1024..4294967295");
@@ -158,6 +181,9 @@ int main(int argc, char** argv) {
   app.add_option("--kv-cache-bytes", args.kv_cache_bytes, "KV cache bytes per worker")
     ->required();
   app.add_option("--max-frame-bytes", args.max_frame_bytes, "largest control frame");
+  app.add_option("--compute-dtype", args.compute_dtype,
+                 "auto | float32 (reference forward) | bfloat16 (the bf16 engine)");
+  app.add_option("--max-batch", args.max_batch, "samples decoding at once");
   app.add_option("--seed", args.seed, "seed of the synthetic checkpoint weights")->required();
   app.add_option("--init-scale", args.init_scale,
                  "scale of the synthetic checkpoint weights (the trainer's trainer.init_scale)")

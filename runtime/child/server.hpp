@@ -59,6 +59,8 @@ struct server_options {
   std::vector<device::spec> devices; // one per TP rank, in rank order
   model::model_config model;
   std::uint64_t kv_cache_bytes = 0;  // per worker
+  model::dtype compute_dtype = model::dtype::float32; // resolved (never "auto")
+  std::uint32_t max_batch = 256;
   std::size_t max_frame_bytes = 0;
   std::uint64_t seed = 0;            // synthetic checkpoint weights
   float init_scale = 0.02f;          // their scale (the trainer's trainer.init_scale)

@@ -25,10 +25,12 @@ constexpr auto write_timeout = std::chrono::seconds(30);
 constexpr std::uint32_t kv_block_size = 16;
 constexpr auto collective_timeout = std::chrono::seconds(120);
 
-inline inference::engine_options generation_options() {
+inline inference::engine_options generation_options(const server_options& server) {
   inference::engine_options o;
   o.block_size = kv_block_size;
   o.compute_threads = 1; // one core per TP worker thread
+  o.compute_dtype = server.compute_dtype;
+  o.max_batch = server.max_batch;
   return o;
 }
 

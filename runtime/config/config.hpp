@@ -53,6 +53,10 @@ struct runtime_config {
   std::uint32_t tp_size = 1;
   std::vector<std::string> devices = {"cpu:0"}; // one per TP worker, in TP rank order
   std::uint64_t kv_cache_bytes = 4u << 20;      // per worker
+  // auto | float32 | bfloat16. auto: bfloat16 (the bf16 engine) on CUDA devices when the
+  // model is bf16, float32 (the reference forward) otherwise.
+  std::string compute_dtype = "auto";
+  std::uint32_t max_batch = 256;                // samples decoding at once per request
   std::uint64_t max_frame_bytes = 64u << 20;
   std::uint32_t kill_grace_ms = 2000;           // SIGTERM -> SIGKILL
   timeouts timeouts_ms;

@@ -65,6 +65,8 @@ std::string to_yaml(const refit_config& cfg) {
   line("  tp_size: " + u(rt.tp_size));
   line("  devices: " + list(rt.devices));
   line("  kv_cache_bytes: " + u(rt.kv_cache_bytes));
+  line("  compute_dtype: " + q(rt.compute_dtype));
+  line("  max_batch: " + u(rt.max_batch));
   line("  max_frame_bytes: " + u(rt.max_frame_bytes));
   line("  kill_grace_ms: " + u(rt.kill_grace_ms));
   line("  timeouts_ms:");

@@ -70,6 +70,12 @@ void validate_config(const refit_config& cfg, const locator& locate) {
     devices.push_back(parsed);
   }
   check_at_least("runtime.kv_cache_bytes", rt.kv_cache_bytes, kv_cache_bytes_min);
+  check_one_of("runtime.compute_dtype", rt.compute_dtype, {"auto", "float32", "bfloat16"});
+  check_range("runtime.max_batch", rt.max_batch, 1, 65536);
+  if (rt.compute_dtype == "bfloat16" && cfg.model.torch_dtype != model::dtype::bfloat16)
+    fail("runtime.compute_dtype", std::string("bfloat16 needs a bfloat16 model, but "
+                                              "model.torch_dtype is ")
+                                    + model::dtype_name(cfg.model.torch_dtype));
   check_range("runtime.max_frame_bytes", rt.max_frame_bytes, frame_bytes_min, frame_bytes_max);
   check_range("runtime.kill_grace_ms", rt.kill_grace_ms, 0, kill_grace_max_ms);
   for (const auto& tf : timeout_fields())

@@ -12,16 +12,44 @@
 namespace refit::inference {
 
 kv_geometry kv_geometry::of(const model::model_config& cfg, std::uint32_t tp,
-                            std::uint32_t block_size) {
+                            std::uint32_t block_size, std::uint32_t element_bytes) {
   model::validate(cfg, tp);
   if (block_size == 0)
     throw std::invalid_argument("kv_geometry: block_size must be >= 1");
+  if (element_bytes != 2 && element_bytes != 4)
+    throw std::invalid_argument("kv_geometry: element_bytes must be 2 or 4");
   kv_geometry g;
   g.layers = cfg.num_hidden_layers;
   g.kv_heads = std::max<std::uint32_t>(1, cfg.num_key_value_heads / tp);
   g.head_dim = cfg.head_dim;
   g.block_size = block_size;
+  g.element_bytes = element_bytes;
   return g;
+}
+
+std::vector<sampled_token> rank_forward::forward_sample(const std::vector<forward_item>& items,
+                                                        std::byte* kv_base,
+                                                        const sampling_config& params,
+                                                        const std::vector<sample_draw>& draws) {
+  for (const sample_draw& d : draws)
+    if (d.row >= items.size())
+      throw std::out_of_range("forward_sample: draw row " + std::to_string(d.row) + " >= "
+                              + std::to_string(items.size()) + " items");
+  if (samples_on_device()) {
+    std::vector<double> uniforms;
+    uniforms.reserve(draws.size());
+    for (const sample_draw& d : draws)
+      uniforms.push_back(sampling_uniform(params.seed, d.prompt, d.sample, d.step));
+    return forward_sample_device(items, kv_base, params, draws, uniforms);
+  }
+  const std::vector<float> logits = forward(items, kv_base, logits_rows::last_token);
+  const std::size_t vocab = items.empty() ? 0 : logits.size() / items.size();
+  std::vector<sampled_token> out;
+  out.reserve(draws.size());
+  for (const sample_draw& d : draws)
+    out.push_back(sample_token(logits.data() + std::size_t{d.row} * vocab, vocab, params,
+                               d.prompt, d.sample, d.step));
+  return out;
 }
 
 rank_weights bind_weights(const model::model_config& cfg, const model::tp_layout& layout,
@@ -137,6 +165,19 @@ std::unique_ptr<rank_forward> make_rank_forward(const rank_forward_options& opti
                                 + " >= tp " + std::to_string(options.tp));
   if (options.weights.layers.size() != options.model.num_hidden_layers)
     throw std::invalid_argument("make_rank_forward: weights are not bound (bind_weights)");
+  if (options.compute_dtype == model::dtype::float16)
+    throw std::invalid_argument("make_rank_forward: compute dtype float16 is not supported "
+                                "(float32 or bfloat16)");
+  if (options.compute_dtype == model::dtype::bfloat16
+      && options.weights.dt != model::dtype::bfloat16)
+    throw std::invalid_argument("make_rank_forward: the bf16 engine needs bfloat16 weights (the "
+                                "model's torch_dtype is not bfloat16); use compute dtype float32");
+  const std::uint32_t kv_elem = options.compute_dtype == model::dtype::bfloat16 ? 2 : 4;
+  if (options.kv.element_bytes != kv_elem)
+    throw std::invalid_argument("make_rank_forward: KV element size "
+                                + std::to_string(options.kv.element_bytes)
+                                + " does not match the compute dtype (" + std::to_string(kv_elem)
+                                + " bytes)");
   return std::unique_ptr<rank_forward>(load_backend()->create(options));
 }
 

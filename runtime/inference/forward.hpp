@@ -14,18 +14,28 @@
 // (ids outside the rank's rows contribute zeros) + all-reduce; final norm; vocab-split lm_head
 // + all-gather, padded rows past vocab_size dropped.
 //
+// Two implementations live in the module: the fp32 reference path (compute_dtype float32:
+// every weight converted to fp32, the parity baseline) and the bf16 engine
+// (compute_dtype bfloat16, torch_fast_forward.cpp: bf16 weights and activations with fp32
+// accumulation, residual stream and norms in fp32, experts sorted by id through one grouped
+// GEMM per projection, batched decode attention over the paged cache, sampling on the device,
+// the TP-1 decode step replayed from CUDA graphs per batch-size bucket).
+//
 // KV cache: a caller-owned arena of fixed-size blocks (kv_geometry). A block holds
-// `block_size` consecutive positions of one sequence for every layer, as fp32
-// [layer][k|v][kv head][slot][head_dim]. A sequence is a block table; position p lives in
-// block_table[p / block_size], slot p % block_size.
+// `block_size` consecutive positions of one sequence for every layer, as
+// [layer][k|v][kv head][slot][head_dim] elements of the compute dtype (fp32 or bf16). A
+// sequence is a block table; position p lives in block_table[p / block_size], slot
+// p % block_size.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "runtime/inference/sampling.hpp"
 #include "runtime/inference/tp_comm.hpp"
 #include "runtime/model/qwen3_moe.hpp"
 
@@ -36,16 +46,17 @@ struct kv_geometry {
   std::uint32_t kv_heads = 0;   // per rank (1 when replicated)
   std::uint32_t head_dim = 0;
   std::uint32_t block_size = 0; // positions per block
+  std::uint32_t element_bytes = 4; // 4: fp32 cache, 2: bf16 cache
 
   std::uint64_t block_bytes() const {
-    return std::uint64_t{layers} * 2 * kv_heads * block_size * head_dim * sizeof(float);
+    return std::uint64_t{layers} * 2 * kv_heads * block_size * head_dim * element_bytes;
   }
   // Byte offset of (layer, k = 0 / v = 1) inside a block.
   std::uint64_t part_offset(std::uint32_t layer, std::uint32_t kv) const {
-    return (std::uint64_t{layer} * 2 + kv) * kv_heads * block_size * head_dim * sizeof(float);
+    return (std::uint64_t{layer} * 2 + kv) * kv_heads * block_size * head_dim * element_bytes;
   }
   static kv_geometry of(const model::model_config& cfg, std::uint32_t tp,
-                        std::uint32_t block_size);
+                        std::uint32_t block_size, std::uint32_t element_bytes = 4);
 };
 
 // The resident tensors one rank's forward reads (pointers into the rank's resident storage).
@@ -103,6 +114,32 @@ struct rank_forward_options {
   // forward runs there (a LibTorch with CUDA is needed); collectives and the returned logits
   // go through host memory. -1: CPU.
   int cuda_device = -1;
+  // float32: the reference path (KV fp32). bfloat16: the bf16 engine (KV bf16; the residents
+  // must be bf16).
+  model::dtype compute_dtype = model::dtype::float32;
+  // bf16 engine on a GPU at tp 1: replay decode steps from CUDA graphs.
+  bool cuda_graphs = true;
+  // Blocks of the KV arena at kv_base (block ids of forward_item tables are below it).
+  std::uint32_t kv_blocks = 0;
+};
+
+// One token to draw from the logits of forward row `row`, with the counter-based stream
+// (prompt, sample, step) of sampling.hpp.
+struct sample_draw {
+  std::uint32_t row = 0;
+  std::uint32_t prompt = 0;
+  std::uint32_t sample = 0;
+  std::uint64_t step = 0;
+};
+
+// Counters of one rank_forward (cumulative since it was created).
+struct forward_counters {
+  std::uint64_t forwards = 0;
+  std::uint64_t graph_replays = 0;   // decode steps replayed from a CUDA graph
+  std::uint64_t graph_captures = 0;
+  std::uint64_t expert_loads = 0;        // sum over forwards and layers of distinct routed experts
+  std::uint64_t decode_expert_loads = 0; // the same over decode forwards (one token per item)
+  std::uint64_t peak_workspace_bytes = 0; // device memory the engine allocated beyond weights/KV
 };
 
 class rank_forward {
@@ -114,6 +151,28 @@ public:
   // or one row per token (items in order).
   virtual std::vector<float> forward(const std::vector<forward_item>& items, std::byte* kv_base,
                                      logits_rows rows) = 0;
+
+  // forward() of the items' last tokens followed by one token per draw (sample_token's
+  // semantics; several draws may read one row). The reference path samples on the host from
+  // the returned logits; the bf16 engine samples on the device (the draws' uniforms computed
+  // here, sampling_uniform) and moves only the tokens and their log-probabilities to the host.
+  std::vector<sampled_token> forward_sample(const std::vector<forward_item>& items,
+                                            std::byte* kv_base, const sampling_config& params,
+                                            const std::vector<sample_draw>& draws);
+
+  virtual forward_counters counters() const { return {}; }
+
+protected:
+  virtual bool samples_on_device() const { return false; }
+  // Only called when samples_on_device(); uniforms[i] belongs to draws[i] (unused: greedy).
+  // (Every virtual is defined in this header: the module must not need a symbol of the
+  // process that loads it.)
+  virtual std::vector<sampled_token> forward_sample_device(const std::vector<forward_item>&,
+                                                           std::byte*, const sampling_config&,
+                                                           const std::vector<sample_draw>&,
+                                                           const std::vector<double>&) {
+    throw std::logic_error("rank_forward: this backend does not sample on the device");
+  }
 };
 
 // Loads the LibTorch backend on first use. Throws std::runtime_error naming the paths tried
@@ -125,7 +184,7 @@ std::unique_ptr<rank_forward> make_rank_forward(const rank_forward_options& opti
 std::string loaded_backend_path();
 
 // ABI handshake between make_rank_forward and the module.
-constexpr std::uint32_t backend_abi_version = 2;
+constexpr std::uint32_t backend_abi_version = 3;
 struct backend_entry {
   std::uint32_t abi_version;
   std::size_t options_size; // sizeof(rank_forward_options) in the module

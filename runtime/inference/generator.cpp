@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <list>
 
 namespace refit::inference {
 
@@ -110,6 +111,12 @@ request_plan plan_request(const model::model_config& cfg, const kv_geometry& kv,
   return plan;
 }
 
+kv_geometry engine_kv_geometry(const model::model_config& cfg, std::uint32_t tp,
+                               const engine_options& options) {
+  const std::uint32_t element = options.compute_dtype == model::dtype::bfloat16 ? 2 : 4;
+  return kv_geometry::of(cfg, tp, options.block_size, element);
+}
+
 engine::engine(const model::model_config& cfg, std::shared_ptr<const model::tp_layout> layout,
                std::uint32_t rank, std::byte* kv_arena, std::uint64_t kv_bytes,
                engine_options options)
@@ -117,7 +124,7 @@ engine::engine(const model::model_config& cfg, std::shared_ptr<const model::tp_l
     layout_(std::move(layout)),
     rank_(rank),
     options_(options),
-    kv_(kv_geometry::of(cfg, layout_->tp(), options.block_size)),
+    kv_(engine_kv_geometry(cfg, layout_->tp(), options)),
     arena_(kv_arena),
     arena_bytes_(kv_bytes),
     pool_(static_cast<std::uint32_t>(std::min<std::uint64_t>(
@@ -126,12 +133,38 @@ engine::engine(const model::model_config& cfg, std::shared_ptr<const model::tp_l
   if (rank >= layout_->tp())
     throw std::invalid_argument("engine: rank " + std::to_string(rank) + " >= tp "
                                 + std::to_string(layout_->tp()));
+  if (options.max_batch == 0)
+    throw std::invalid_argument("engine: max_batch must be at least 1");
 }
 
 std::uint64_t engine::reset_prefix_cache() {
   const std::uint64_t dropped = pool_.clear_prefix_cache();
   ++totals_.cache_resets;
   return dropped;
+}
+
+rank_forward& engine::forward_for(const std::vector<const std::byte*>& residents, tp_comm& comm) {
+  const bool keep = options_.compute_dtype == model::dtype::bfloat16;
+  if (keep && forward_ && forward_residents_ == residents && forward_comm_ == &comm)
+    return *forward_;
+  forward_.reset();
+  rank_forward_options fo;
+  fo.model = cfg_;
+  fo.tp = layout_->tp();
+  fo.rank = rank_;
+  fo.weights = bind_weights(cfg_, *layout_, residents);
+  fo.comm = &comm;
+  fo.kv = kv_;
+  fo.kv_blocks = pool_.capacity();
+  fo.cache_fp32_weights = layout_->resident_bytes() <= options_.fp32_cache_limit_bytes;
+  fo.compute_threads = options_.compute_threads;
+  fo.cuda_device = options_.cuda_device;
+  fo.compute_dtype = options_.compute_dtype;
+  fo.cuda_graphs = options_.cuda_graphs;
+  forward_ = make_rank_forward(fo);
+  forward_residents_ = residents;
+  forward_comm_ = &comm;
+  return *forward_;
 }
 
 namespace {
@@ -146,26 +179,25 @@ struct sequence {
   bool done = false;
 };
 
-// Releases every block still held by the sequences it tracks (also when generate throws).
-class block_guard {
-public:
-  explicit block_guard(block_pool& pool) : pool_(pool) {}
-  ~block_guard() {
-    for (auto* blocks : held_)
-      release(*blocks);
-  }
-  void track(std::vector<std::uint32_t>* blocks) { held_.push_back(blocks); }
-  void untrack_all() { held_.clear(); }
-  // Deepest blocks first, so a chain's leaves are evicted before its parents.
-  void release(std::vector<std::uint32_t>& blocks) {
-    for (auto it = blocks.rbegin(); it != blocks.rend(); ++it)
-      pool_.release(*it);
-    blocks.clear();
-  }
+// Releases blocks, deepest first (a chain's leaves are evicted before its parents).
+void release_blocks(block_pool& pool, std::vector<std::uint32_t>& blocks) {
+  for (auto it = blocks.rbegin(); it != blocks.rend(); ++it)
+    pool.release(*it);
+  blocks.clear();
+}
 
-private:
-  block_pool& pool_;
-  std::vector<std::vector<std::uint32_t>*> held_;
+// Every block still held by live sequences goes back to the pool, also when generate throws.
+struct live_set {
+  explicit live_set(block_pool& p) : pool(p) {}
+  ~live_set() {
+    for (auto& s : samples)
+      release_blocks(pool, s.blocks);
+    for (auto& s : prefilling)
+      release_blocks(pool, s.blocks);
+  }
+  block_pool& pool;
+  std::list<sequence> samples;       // decoding, in admission order
+  std::vector<sequence> prefilling;  // the prompts of the current admission round
 };
 
 } // namespace
@@ -177,7 +209,6 @@ std::vector<generation> engine::generate(const std::vector<const std::byte*>& re
   const sampling_config& params = input.params;
   const std::uint32_t n = params.n;
   const std::uint32_t block_size = kv_.block_size;
-  const std::size_t vocab = cfg_.vocab_size;
 
   generate_stats st;
   st.model_version = weights_version;
@@ -185,149 +216,171 @@ std::vector<generation> engine::generate(const std::vector<const std::byte*>& re
     st.stale_entries_dropped = reset_prefix_cache();
   cache_version_ = weights_version;
 
-  rank_forward_options fo;
-  fo.model = cfg_;
-  fo.tp = layout_->tp();
-  fo.rank = rank_;
-  fo.weights = bind_weights(cfg_, *layout_, residents);
-  fo.comm = &comm;
-  fo.kv = kv_;
-  fo.cache_fp32_weights = layout_->resident_bytes() <= options_.fp32_cache_limit_bytes;
-  fo.compute_threads = options_.compute_threads;
-  fo.cuda_device = options_.cuda_device;
-  const std::unique_ptr<rank_forward> model = make_rank_forward(fo);
+  rank_forward& model = forward_for(residents, comm);
+  const forward_counters before = model.counters();
 
   std::vector<generation> results(plan.prompts.size() * n);
   const auto is_stop = [&params](std::int32_t token) {
     return std::find(params.stop_token_ids.begin(), params.stop_token_ids.end(), token)
            != params.stop_token_ids.end();
   };
+  std::vector<std::uint64_t> need(plan.prompts.size());
+  for (std::size_t i = 0; i < need.size(); ++i)
+    need[i] = kv_blocks_needed(plan.prompts[i].size(), n, params.max_tokens, block_size);
+  std::vector<std::uint32_t> running(plan.prompts.size(), 0); // samples not finished per prompt
 
-  for (const auto& wave : plan.waves) {
-    ++st.waves;
-    std::vector<sequence> prompts(wave.size());
-    std::vector<sequence> live;
-    live.reserve(wave.size() * n);
-    block_guard guard(pool_); // after the sequences: releases their blocks before they go
+  live_set live(pool_);
+  std::uint32_t next_prompt = 0;
+  std::uint64_t reserved = 0; // worst-case blocks of the admitted prompts still running
+  std::uint64_t live_samples = 0;
 
-    // ---- prefix-cache lookup for every prompt first, then allocation (so allocating for
-    // one prompt cannot evict the cached prefix of the next)
-    std::vector<std::uint32_t> cached(wave.size());
-    for (std::size_t i = 0; i < wave.size(); ++i) {
-      sequence& s = prompts[i];
-      s.prompt = wave[i];
-      s.tokens = plan.prompts[s.prompt];
-      guard.track(&s.blocks);
-      // Keep at least one prompt token to compute: its logits give the first sample token.
-      const std::size_t reusable = (s.tokens.size() - 1) / block_size;
-      s.blocks = pool_.match_prefix(s.tokens.data(), reusable);
-      cached[i] = static_cast<std::uint32_t>(s.blocks.size() * block_size);
-      st.prefix_hit_blocks += s.blocks.size();
-      st.prefix_hit_tokens += cached[i];
+  const auto accept = [&](sequence& s, const sampled_token& t) {
+    s.result->token_ids.push_back(t.token);
+    s.result->logprobs.push_back(t.logprob);
+    s.tokens.push_back(t.token);
+    ++st.generated_tokens;
+    if (is_stop(t.token)) {
+      s.result->finish_reason = "stop";
+    } else if (s.result->token_ids.size() >= params.max_tokens) {
+      s.result->finish_reason = "length";
+    } else {
+      return;
     }
-    std::vector<forward_item> items;
-    for (std::size_t i = 0; i < wave.size(); ++i) {
-      sequence& s = prompts[i];
-      while (s.blocks.size() * block_size < s.tokens.size())
-        s.blocks.push_back(pool_.allocate());
-      st.prompt_tokens += s.tokens.size();
-      st.computed_prompt_tokens += s.tokens.size() - cached[i];
-    }
-    for (std::size_t i = 0; i < wave.size(); ++i) {
-      const sequence& s = prompts[i];
-      items.push_back({s.blocks.data(), s.blocks.size(), cached[i], s.tokens.data() + cached[i],
-                       static_cast<std::uint32_t>(s.tokens.size() - cached[i])});
-    }
-    const std::vector<float> prompt_logits = model->forward(items, arena_, logits_rows::last_token);
-    ++st.forward_passes;
-    for (const sequence& s : prompts)
-      pool_.insert_prefix(s.tokens.data(), s.tokens.size() / block_size, s.blocks);
+    s.done = true;
+  };
 
-    // ---- fork the samples of every prompt and draw their first tokens
-    for (std::size_t i = 0; i < wave.size(); ++i) {
-      sequence& prompt = prompts[i];
-      const std::size_t full = prompt.tokens.size() / block_size;
-      for (std::uint32_t sample = 0; sample < n; ++sample) {
-        sequence s;
-        s.prompt = prompt.prompt;
-        s.sample = sample;
-        s.tokens = prompt.tokens;
-        if (sample + 1 < n) {
-          for (std::size_t b = 0; b < full; ++b) {
-            pool_.retain(prompt.blocks[b]);
-            s.blocks.push_back(prompt.blocks[b]);
-          }
-          if (prompt.blocks.size() > full) { // private copy of the partial block
-            const std::uint32_t copy = pool_.allocate();
-            s.blocks.push_back(copy);
-            std::byte* dst = arena_ + copy * kv_.block_bytes();
-            const std::byte* src = arena_ + prompt.blocks[full] * kv_.block_bytes();
-            if (options_.copy_kv_block)
-              options_.copy_kv_block(dst, src, kv_.block_bytes());
-            else
-              std::memcpy(dst, src, kv_.block_bytes());
-          }
-        } else {
-          s.blocks = std::move(prompt.blocks);
-          prompt.blocks.clear();
-        }
-        generation& g = results[std::size_t{s.prompt} * n + sample];
-        g.prompt_index = s.prompt;
-        g.sample_index = sample;
-        g.prompt_token_ids = prompt.tokens;
-        g.prompt_truncated = plan.truncated[s.prompt];
-        s.result = &g;
-        live.push_back(std::move(s));
-      }
-    }
-    for (auto& s : live)
-      guard.track(&s.blocks);
-
-    const auto accept = [&](sequence& s, const float* logits) {
-      const std::uint64_t step = s.result->token_ids.size();
-      const sampled_token t = sample_token(logits, vocab, params, s.prompt, s.sample, step);
-      s.result->token_ids.push_back(t.token);
-      s.result->logprobs.push_back(t.logprob);
-      s.tokens.push_back(t.token);
-      ++st.generated_tokens;
-      if (is_stop(t.token)) {
-        s.result->finish_reason = "stop";
-      } else if (s.result->token_ids.size() >= params.max_tokens) {
-        s.result->finish_reason = "length";
-      } else {
-        return;
-      }
-      s.done = true;
-      guard.release(s.blocks);
-    };
-    for (std::size_t i = 0; i < wave.size(); ++i)
-      for (std::uint32_t sample = 0; sample < n; ++sample)
-        accept(live[i * n + sample], prompt_logits.data() + i * vocab);
-
-    // ---- decode: one batched step per token
-    for (;;) {
-      std::vector<sequence*> active;
-      for (auto& s : live)
-        if (!s.done)
-          active.push_back(&s);
-      if (active.empty())
+  for (;;) {
+    // ---- admission: prompts in order, while their worst case fits and slots are free
+    std::vector<std::uint32_t> admitted;
+    while (next_prompt < plan.prompts.size()) {
+      const bool idle = live_samples == 0 && admitted.empty();
+      if (reserved + need[next_prompt] > plan.capacity_blocks)
         break;
-      items.clear();
-      for (sequence* s : active) {
-        const std::uint32_t position = static_cast<std::uint32_t>(s->tokens.size() - 1);
-        while (s->blocks.size() * block_size <= position)
-          s->blocks.push_back(pool_.allocate());
-        items.push_back({s->blocks.data(), s->blocks.size(), position, &s->tokens.back(), 1});
-      }
-      const std::vector<float> logits = model->forward(items, arena_, logits_rows::last_token);
-      ++st.forward_passes;
-      for (std::size_t i = 0; i < active.size(); ++i)
-        accept(*active[i], logits.data() + i * vocab);
+      if (!idle && live_samples + (admitted.size() + 1) * std::uint64_t{n} > options_.max_batch)
+        break;
+      reserved += need[next_prompt];
+      admitted.push_back(next_prompt++);
     }
-    for (auto& s : prompts)
-      guard.release(s.blocks);
+    if (!admitted.empty()) {
+      ++st.waves;
+      auto& prompts = live.prefilling;
+      prompts.assign(admitted.size(), sequence{});
+      // Prefix-cache lookup for every prompt first, then allocation (so allocating for one
+      // prompt cannot evict the cached prefix of the next).
+      std::vector<std::uint32_t> cached(admitted.size());
+      for (std::size_t i = 0; i < admitted.size(); ++i) {
+        sequence& s = prompts[i];
+        s.prompt = admitted[i];
+        s.tokens = plan.prompts[s.prompt];
+        // Keep at least one prompt token to compute: its logits give the first sample token.
+        const std::size_t reusable = (s.tokens.size() - 1) / block_size;
+        s.blocks = pool_.match_prefix(s.tokens.data(), reusable);
+        cached[i] = static_cast<std::uint32_t>(s.blocks.size() * block_size);
+        st.prefix_hit_blocks += s.blocks.size();
+        st.prefix_hit_tokens += cached[i];
+      }
+      std::vector<forward_item> items;
+      for (std::size_t i = 0; i < admitted.size(); ++i) {
+        sequence& s = prompts[i];
+        while (s.blocks.size() * block_size < s.tokens.size())
+          s.blocks.push_back(pool_.allocate());
+        st.prompt_tokens += s.tokens.size();
+        st.computed_prompt_tokens += s.tokens.size() - cached[i];
+        items.push_back({s.blocks.data(), s.blocks.size(), cached[i], s.tokens.data() + cached[i],
+                         static_cast<std::uint32_t>(s.tokens.size() - cached[i])});
+      }
+      std::vector<sample_draw> draws;
+      for (std::uint32_t i = 0; i < admitted.size(); ++i)
+        for (std::uint32_t sample = 0; sample < n; ++sample)
+          draws.push_back({i, prompts[i].prompt, sample, 0});
+      const std::vector<sampled_token> first = model.forward_sample(items, arena_, params, draws);
+      ++st.forward_passes;
+      for (const sequence& s : prompts)
+        pool_.insert_prefix(s.tokens.data(), s.tokens.size() / block_size, s.blocks);
+
+      // Fork the samples of every prompt.
+      for (std::size_t i = 0; i < admitted.size(); ++i) {
+        sequence& prompt = prompts[i];
+        const std::size_t full = prompt.tokens.size() / block_size;
+        running[prompt.prompt] = n;
+        for (std::uint32_t sample = 0; sample < n; ++sample) {
+          sequence& s = live.samples.emplace_back();
+          s.prompt = prompt.prompt;
+          s.sample = sample;
+          s.tokens = prompt.tokens;
+          if (sample + 1 < n) {
+            for (std::size_t b = 0; b < full; ++b) {
+              pool_.retain(prompt.blocks[b]);
+              s.blocks.push_back(prompt.blocks[b]);
+            }
+            if (prompt.blocks.size() > full) { // private copy of the partial block
+              const std::uint32_t copy = pool_.allocate();
+              s.blocks.push_back(copy);
+              std::byte* dst = arena_ + copy * kv_.block_bytes();
+              const std::byte* src = arena_ + prompt.blocks[full] * kv_.block_bytes();
+              if (options_.copy_kv_block)
+                options_.copy_kv_block(dst, src, kv_.block_bytes());
+              else
+                std::memcpy(dst, src, kv_.block_bytes());
+            }
+          } else {
+            s.blocks = std::move(prompt.blocks);
+            prompt.blocks.clear();
+          }
+          generation& g = results[std::size_t{s.prompt} * n + sample];
+          g.prompt_index = s.prompt;
+          g.sample_index = sample;
+          g.prompt_token_ids = prompt.tokens;
+          g.prompt_truncated = plan.truncated[s.prompt];
+          s.result = &g;
+          accept(s, first[i * n + sample]);
+          ++live_samples;
+        }
+      }
+      prompts.clear();
+    }
+
+    // ---- retire finished samples: their blocks and slots free at once
+    for (auto it = live.samples.begin(); it != live.samples.end();) {
+      if (!it->done) {
+        ++it;
+        continue;
+      }
+      release_blocks(pool_, it->blocks);
+      if (--running[it->prompt] == 0)
+        reserved -= need[it->prompt];
+      --live_samples;
+      it = live.samples.erase(it);
+    }
+    if (live.samples.empty()) {
+      if (next_prompt == plan.prompts.size())
+        break;
+      continue; // nothing running: the next admission succeeds (each prompt fits alone)
+    }
+    // ---- decode: one batched step over every live sample
+    st.max_live_samples = std::max<std::uint64_t>(st.max_live_samples, live_samples);
+    std::vector<forward_item> items;
+    std::vector<sample_draw> draws;
+    std::vector<sequence*> order;
+    for (auto& s : live.samples) {
+      const std::uint32_t position = static_cast<std::uint32_t>(s.tokens.size() - 1);
+      while (s.blocks.size() * block_size <= position)
+        s.blocks.push_back(pool_.allocate());
+      draws.push_back({static_cast<std::uint32_t>(items.size()), s.prompt, s.sample,
+                       s.result->token_ids.size()});
+      items.push_back({s.blocks.data(), s.blocks.size(), position, &s.tokens.back(), 1});
+      order.push_back(&s);
+    }
+    const std::vector<sampled_token> next = model.forward_sample(items, arena_, params, draws);
+    ++st.forward_passes;
+    for (std::size_t i = 0; i < order.size(); ++i)
+      accept(*order[i], next[i]);
   }
 
+  const forward_counters after = model.counters();
+  st.graph_replays = after.graph_replays - before.graph_replays;
+  st.graph_captures = after.graph_captures - before.graph_captures;
+  st.peak_workspace_bytes = after.peak_workspace_bytes;
   st.prompts = plan.prompts.size();
   st.samples = results.size();
   ++totals_.requests;

@@ -5,12 +5,18 @@
 // random streams, so all of them pick identical tokens and produce identical results.
 //
 // A request is validated and planned first (plan_request): prompts longer than
-// max_prompt_length keep their LAST tokens; prompts are grouped into waves whose worst-case KV
-// need fits the worker's KV arena (a prompt that alone does not fit is an INVALID_ARGUMENT,
-// never an allocation elsewhere). Per wave: prefix-cache lookup, one batched prefill, the n
-// samples of each prompt fork from the prompt's KV (full blocks shared, the partial block
-// copied), then batched decode steps until every sample stops ("stop": a stop token was
-// sampled and is included) or reaches max_tokens ("length").
+// max_prompt_length keep their LAST tokens; a prompt whose worst-case KV need does not fit the
+// worker's KV arena alone is an INVALID_ARGUMENT, never an allocation elsewhere.
+//
+// Continuous batching: prompts are admitted in order while their worst-case KV need fits what
+// the admitted ones have not reserved and their samples fit max_batch decoding slots. An
+// admission round is one batched prefill (after the prefix-cache lookup) whose last-token
+// logits give the first token of each of the prompt's n samples; the samples fork from the
+// prompt's KV (full blocks shared, the partial block copied). Then one batched decode step per
+// token over every live sample; a sample that stops ("stop": a stop token was sampled and is
+// included) or reaches max_tokens ("length") frees its blocks and its slot at once, and the
+// next waiting prompts are admitted before the following step. The schedule depends only on
+// the request, so results are deterministic run to run.
 //
 // The prefix cache is dropped on reset_prefix_cache (the server calls it on every committed
 // publication), when the engine is destroyed (KV cache freed on sleep) and, as a last line of
@@ -57,7 +63,7 @@ struct generate_stats {
   std::uint64_t model_version = 0;
   std::uint64_t prompts = 0;
   std::uint64_t samples = 0;
-  std::uint64_t waves = 0;
+  std::uint64_t waves = 0;                  // admission rounds (batched prefills)
   std::uint64_t prompt_tokens = 0;          // after truncation
   std::uint64_t prefix_hit_tokens = 0;      // prompt positions whose KV came from the cache
   std::uint64_t prefix_hit_blocks = 0;
@@ -65,6 +71,10 @@ struct generate_stats {
   std::uint64_t generated_tokens = 0;
   std::uint64_t forward_passes = 0;
   std::uint64_t stale_entries_dropped = 0;  // cache entries of another weights version
+  std::uint64_t max_live_samples = 0;       // most samples decoding at once
+  std::uint64_t graph_replays = 0;          // decode steps replayed from CUDA graphs
+  std::uint64_t graph_captures = 0;
+  std::uint64_t peak_workspace_bytes = 0;   // bf16 engine: device memory beyond weights + KV
 };
 
 // A request field is out of range. `where` is relative to the GenerateRequest
@@ -101,7 +111,16 @@ struct engine_options {
   int cuda_device = -1;
   // Copies one KV block inside the arena (dst, src, bytes); empty: std::memcpy (host arena).
   std::function<void(std::byte*, const std::byte*, std::uint64_t)> copy_kv_block;
+  // float32: the reference forward (fp32 KV). bfloat16: the bf16 engine (bf16 KV, device
+  // sampling, CUDA graphs on a GPU at tp 1), kept across requests while the residents stay.
+  model::dtype compute_dtype = model::dtype::float32;
+  std::uint32_t max_batch = 256; // samples decoding at once (continuous batching)
+  bool cuda_graphs = true;
 };
+
+// The KV geometry an engine with `options` uses (element size from the compute dtype).
+kv_geometry engine_kv_geometry(const model::model_config& cfg, std::uint32_t tp,
+                               const engine_options& options);
 
 class engine {
 public:
@@ -144,9 +163,15 @@ private:
   const kv_geometry kv_;
   std::byte* const arena_;
   const std::uint64_t arena_bytes_;
+  // The forward of this request (the bf16 engine's is kept while residents and comm stay).
+  rank_forward& forward_for(const std::vector<const std::byte*>& residents, tp_comm& comm);
+
   block_pool pool_;
   std::optional<std::uint64_t> cache_version_;
   totals totals_;
+  std::unique_ptr<rank_forward> forward_;
+  std::vector<const std::byte*> forward_residents_;
+  const tp_comm* forward_comm_ = nullptr;
 };
 
 } // namespace refit::inference

@@ -1,5 +1,7 @@
-// The LibTorch (ATen) implementation of rank_forward: the only LibTorch translation unit of
-// refit. Built into the shared module librefit_torch_forward.so (see forward.hpp). Uses only
+// The LibTorch (ATen) fp32 reference implementation of rank_forward, and the module's entry
+// point (the bf16 engine is torch_fast_forward.cpp). Built into the shared module
+// librefit_torch_forward.so (see forward.hpp) with torch_fast_forward.cpp and
+// torch_device_sampling.cpp, the only LibTorch translation units of refit. Uses only
 // ATen APIs that LibTorch 1.13 and 2.x both have; computes in fp32 (bf16/fp16 residents are
 // converted on the fly; with cache_fp32_weights the conversion is kept for the lifetime of
 // the rank_forward object, i.e. one request).
@@ -20,6 +22,8 @@
 #include "runtime/inference/forward.hpp"
 
 namespace refit::inference {
+
+rank_forward* create_fast_forward(const rank_forward_options& options); // torch_fast_forward.cpp
 
 namespace {
 
@@ -395,6 +399,8 @@ private:
 };
 
 rank_forward* create(const rank_forward_options& options) {
+  if (options.compute_dtype == model::dtype::bfloat16)
+    return create_fast_forward(options);
   return new torch_rank_forward(options);
 }
 

@@ -1,0 +1,23 @@
+// Device-side sampling of the bf16 engine (LibTorch; only torch_*.cpp of the module include it).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "runtime/inference/sampling.hpp"
+
+namespace refit::inference {
+
+struct device_samples {
+  std::vector<std::int32_t> tokens;
+  std::vector<float> logprobs;
+};
+
+// logits: [R, V] fp32 on any device; rows: [D] long, the logits row of each draw; uniforms:
+// [D] double on the logits' device (sampling_uniform of each draw; ignored when greedy).
+device_samples sample_on_device(const at::Tensor& logits, const sampling_config& params,
+                                const at::Tensor& rows, const at::Tensor& uniforms);
+
+} // namespace refit::inference
