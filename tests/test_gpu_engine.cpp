@@ -1,0 +1,224 @@
+// The bf16 engine on a GPU (label gpu): logits against the fp32 reference and the CPU bf16
+// engine, paged attention across block boundaries, CUDA-graph replay against eager steps,
+// device sampling against the host sampler, and bitwise determinism of generation with
+// continuous batching.
+#include <gtest/gtest.h>
+
+#include <deque>
+#include <iostream>
+#include <numeric>
+#include <vector>
+
+#include "engine_fixture.hpp"
+#include "runtime/cuda/cuda.hpp"
+#include "runtime/inference/generator.hpp"
+
+namespace {
+
+namespace inf = refit::inference;
+namespace model = refit::model;
+namespace cuda = refit::cuda;
+using refit::testing::engine_prompt;
+using refit::testing::engine_rig;
+using refit::testing::engine_synthetic;
+using refit::testing::log_softmax_rows;
+using refit::testing::max_abs_delta;
+
+int visible_gpus() {
+  try {
+    return cuda::device_count();
+  } catch (const std::exception&) {
+    return 0;
+  }
+}
+
+#define REQUIRE_GPU()                                                                        \
+  if (visible_gpus() < 1)                                                                    \
+  GTEST_SKIP() << "needs a CUDA device"
+
+struct device_memory {
+  std::deque<cuda::device_allocation> allocations;
+  const std::byte* place(const std::vector<std::byte>& b) {
+    allocations.emplace_back(0, b.size(), "resident");
+    cuda::copy_to_device(0, allocations.back().data(), b.data(), b.size());
+    return allocations.back().data();
+  }
+  std::byte* alloc(std::size_t n) {
+    allocations.emplace_back(0, n, "KV arena");
+    return allocations.back().data();
+  }
+};
+
+engine_rig gpu_rig(device_memory& mem, const model::model_config& cfg,
+                   const refit::testing::engine_weights& w, model::dtype dt,
+                   std::uint32_t block_size, std::uint32_t blocks, bool graphs = true) {
+  return engine_rig(cfg, w, dt, block_size, blocks, 0,
+                    [&](const std::vector<std::byte>& b) { return mem.place(b); },
+                    [&](std::size_t n) { return mem.alloc(n); }, graphs);
+}
+
+TEST(GpuEngine, Bf16LogitsTrackTheFp32ReferenceAndTheCpuEngine) {
+  REQUIRE_GPU();
+  const auto cfg = refit::testing::tiny_model();
+  const auto w = engine_synthetic(cfg);
+  const auto tokens = engine_prompt(37);
+  device_memory mem;
+  auto rig = gpu_rig(mem, cfg, w, model::dtype::bfloat16, 8, 8);
+  const auto gpu = log_softmax_rows(rig.logits(tokens, 13, 8), cfg.vocab_size);
+  const auto residents = inf::scatter_residents(cfg, 1, 0, w.params, w.pointers());
+  const auto reference =
+    log_softmax_rows(inf::reference_logits(cfg, residents.pointers(), tokens), cfg.vocab_size);
+  double mean = 0.0;
+  for (std::size_t i = 0; i < gpu.size(); ++i)
+    mean += std::fabs(gpu[i] - reference[i]) / double(gpu.size());
+  const double gap = max_abs_delta(gpu, reference);
+  std::cout << "[ measured ] GPU bf16 engine vs fp32 reference: max " << gap << " mean " << mean
+            << "\n";
+  EXPECT_LT(mean, 0.02);
+  EXPECT_LT(gap, 0.3);
+  EXPECT_GT(gap, 0.0);
+}
+
+TEST(GpuEngine, PagedAttentionAcrossBlockBoundaries) {
+  REQUIRE_GPU();
+  const auto cfg = refit::testing::tiny_model();
+  const auto w = engine_synthetic(cfg);
+  const auto tokens = engine_prompt(29, 3);
+  device_memory mem;
+  auto rig = gpu_rig(mem, cfg, w, model::dtype::bfloat16, 4, 32);
+  const auto run = [&](const std::vector<std::uint32_t>& table) {
+    std::vector<float> rows =
+      rig.forward->forward({{table.data(), table.size(), 0, tokens.data(), 10}}, rig.arena,
+                           inf::logits_rows::last_token);
+    for (std::uint32_t t = 10; t < tokens.size(); ++t) {
+      auto row = rig.forward->forward({{table.data(), table.size(), t, tokens.data() + t, 1}},
+                                      rig.arena, inf::logits_rows::last_token);
+      rows.insert(rows.end(), row.begin(), row.end());
+    }
+    return rows;
+  };
+  EXPECT_EQ(run({0, 1, 2, 3, 4, 5, 6, 7}), run({31, 5, 17, 2, 29, 11, 23, 8}));
+}
+
+// Five prefilled sequences, then decode steps sampled through forward_sample.
+struct decode_fixture {
+  explicit decode_fixture(engine_rig& r) : rig(r) {
+    for (std::uint32_t i = 0; i < 5; ++i) {
+      prompts.push_back(engine_prompt(6 + 5 * i, static_cast<std::int32_t>(i)));
+      tables.emplace_back();
+      for (std::uint32_t b = 0; b < 6; ++b)
+        tables.back().push_back(i * 6 + b);
+    }
+  }
+  // Prefill, then `steps` sampled decode steps; returns every sampled token and logprob.
+  std::vector<inf::sampled_token> run(const inf::sampling_config& p, std::uint32_t steps) {
+    auto seqs = prompts;
+    for (std::uint32_t i = 0; i < 5; ++i)
+      rig.forward->forward({{tables[i].data(), 6, 0, seqs[i].data(),
+                             static_cast<std::uint32_t>(seqs[i].size() - 1)}},
+                           rig.arena, inf::logits_rows::last_token);
+    std::vector<inf::sampled_token> out;
+    for (std::uint32_t s = 0; s < steps; ++s) {
+      std::vector<inf::forward_item> items;
+      std::vector<inf::sample_draw> draws;
+      for (std::uint32_t i = 0; i < 5; ++i) {
+        draws.push_back({i, i, 0, s});
+        items.push_back({tables[i].data(), 6, static_cast<std::uint32_t>(seqs[i].size() - 1),
+                         &seqs[i].back(), 1});
+      }
+      const auto got = rig.forward->forward_sample(items, rig.arena, p, draws);
+      for (std::uint32_t i = 0; i < 5; ++i) // teacher-forced: every step compares alone
+        seqs[i].push_back(static_cast<std::int32_t>((s * 31 + i * 7 + 3) % 256));
+      out.insert(out.end(), got.begin(), got.end());
+    }
+    return out;
+  }
+  engine_rig& rig;
+  std::vector<std::vector<std::int32_t>> prompts;
+  std::vector<std::vector<std::uint32_t>> tables;
+};
+
+TEST(GpuEngine, CudaGraphReplayEqualsEagerAndIsDeterministic) {
+  REQUIRE_GPU();
+  const auto cfg = refit::testing::tiny_model();
+  const auto w = engine_synthetic(cfg);
+  device_memory mem;
+  auto graphed = gpu_rig(mem, cfg, w, model::dtype::bfloat16, 8, 64, true);
+  auto eager = gpu_rig(mem, cfg, w, model::dtype::bfloat16, 8, 64, false);
+  decode_fixture g(graphed), e(eager);
+  for (float temperature : {0.0f, 1.0f}) {
+    SCOPED_TRACE(temperature == 0.0f ? "greedy" : "T=1");
+    inf::sampling_config p;
+    p.temperature = temperature;
+    p.seed = 5;
+    const auto a = g.run(p, 20);
+    const auto b = e.run(p, 20);
+    const auto again = g.run(p, 20);
+    ASSERT_EQ(a.size(), b.size());
+    std::size_t same = 0;
+    float worst = 0.0f;
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      EXPECT_EQ(a[i].token, again[i].token) << "graph replay is not deterministic at " << i;
+      EXPECT_EQ(a[i].logprob, again[i].logprob) << "graph replay is not deterministic at " << i;
+      same += a[i].token == b[i].token;
+      if (a[i].token == b[i].token)
+        worst = std::max(worst, std::fabs(a[i].logprob - b[i].logprob));
+    }
+    std::cout << "[ measured ] graph vs eager: " << same << "/" << a.size()
+              << " tokens equal, max |logprob delta| " << worst << "\n";
+    EXPECT_GE(same, a.size() * 9 / 10) << "graph replay must compute what eager steps compute";
+    EXPECT_LT(worst, 0.05f);
+  }
+  const auto c = graphed.forward->counters();
+  EXPECT_GT(c.graph_replays, 100u);
+  EXPECT_GE(c.graph_captures, 1u);
+  EXPECT_EQ(eager.forward->counters().graph_replays, 0u);
+}
+
+TEST(GpuEngine, GenerationWithContinuousBatchingIsBitwiseDeterministic) {
+  REQUIRE_GPU();
+  const auto cfg = refit::testing::tiny_model();
+  const auto w = engine_synthetic(cfg);
+  const auto layout = std::make_shared<const model::tp_layout>(cfg, 1);
+  const auto host = inf::scatter_residents(cfg, 1, 0, w.params, w.pointers());
+  device_memory mem;
+  std::vector<const std::byte*> residents;
+  for (const auto& r : host.storage)
+    residents.push_back(mem.place(r));
+  inf::engine_options o;
+  o.block_size = 8;
+  o.compute_dtype = model::dtype::bfloat16;
+  o.max_batch = 5;
+  o.cuda_device = 0;
+  o.copy_kv_block = [](std::byte* dst, const std::byte* src, std::uint64_t n) {
+    std::vector<std::byte> bounce(n);
+    cuda::copy_to_host(0, bounce.data(), src, n);
+    cuda::copy_to_device(0, dst, bounce.data(), n);
+  };
+  const std::uint64_t kv_bytes = 40 * inf::engine_kv_geometry(cfg, 1, o).block_bytes();
+  std::byte* arena = mem.alloc(kv_bytes);
+  inf::engine engine(cfg, layout, 0, arena, kv_bytes, o);
+  inf::single_rank_comm comm;
+  inf::generate_input in;
+  for (std::int32_t i = 0; i < 12; ++i)
+    in.prompts.push_back(engine_prompt(3 + static_cast<std::size_t>((i * 7) % 23), i));
+  in.params.n = 2;
+  in.params.max_tokens = 16;
+  in.params.temperature = 1.0f;
+  in.params.top_p = 0.9f;
+  in.params.seed = 3;
+  in.params.stop_token_ids = {17};
+  inf::generate_stats st;
+  const auto first = engine.generate(residents, comm, in, 1, &st);
+  engine.reset_prefix_cache();
+  const auto second = engine.generate(residents, comm, in, 1, nullptr);
+  ASSERT_EQ(first.size(), second.size());
+  for (std::size_t i = 0; i < first.size(); ++i)
+    EXPECT_TRUE(first[i] == second[i]) << "sample " << i;
+  EXPECT_GT(st.waves, 1u);
+  EXPECT_LE(st.max_live_samples, 5u);
+  EXPECT_GT(st.graph_replays, 0u);
+  EXPECT_EQ(engine.available_blocks(), 40u);
+}
+
+} // namespace
