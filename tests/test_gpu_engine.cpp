@@ -170,7 +170,7 @@ TEST(GpuEngine, CudaGraphReplayEqualsEagerAndIsDeterministic) {
     EXPECT_LT(worst, 0.05f);
   }
   const auto c = graphed.forward->counters();
-  EXPECT_GT(c.graph_replays, 100u);
+  EXPECT_EQ(c.graph_replays, 80u); // 2 temperatures x 2 runs x 20 steps
   EXPECT_GE(c.graph_captures, 1u);
   EXPECT_EQ(eager.forward->counters().graph_replays, 0u);
 }
