@@ -121,6 +121,11 @@ using rank_registry_actor = caf::typed_actor<
   caf::replies_to<status_atom, std::string>::with<registry_status>,
   caf::replies_to<generate_atom, rollout_generate>::with<generate_result>,
   caf::replies_to<sleep_atom, rollout_sleep>::with<engine_status>,
-  caf::replies_to<wake_atom, rollout_wake>::with<engine_status>>;
+  caf::replies_to<wake_atom, rollout_wake>::with<engine_status>,
+  // The communicator token of a publication on GPUs (token, rank, publication id, offered):
+  // rank 0 offers it ("nccl:<hex of ncclUniqueId>"), every other rank asks with an empty
+  // offer and is answered once rank 0's offer arrived (each asker bounds its own wait).
+  caf::replies_to<collective_id_atom, std::string, std::uint32_t, std::string,
+                  std::string>::with<std::string>>;
 
 } // namespace refit

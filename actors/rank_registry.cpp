@@ -18,6 +18,11 @@ using clock_type = std::chrono::steady_clock;
 caf::result<generate_result> registry_generate(self_ptr self, rollout_generate& req);
 caf::result<engine_status> registry_sleep(self_ptr self, const rollout_sleep& req);
 caf::result<engine_status> registry_wake(self_ptr self, const rollout_wake& req);
+// A trainer process's NCCL communicator id (rank_registry_collective.cpp).
+caf::result<std::string> registry_collective_id(self_ptr self, const std::string& token,
+                                                std::uint32_t rank,
+                                                const std::string& publication_id,
+                                                const std::string& offered);
 
 namespace {
 
@@ -593,6 +598,10 @@ rank_registry_impl::behavior_type rank_registry(self_ptr self, rank_registry_opt
     [=](generate_atom, rollout_generate& req) { return registry_generate(self, req); },
     [=](sleep_atom, const rollout_sleep& req) { return registry_sleep(self, req); },
     [=](wake_atom, const rollout_wake& req) { return registry_wake(self, req); },
+    [=](collective_id_atom, const std::string& token, std::uint32_t rank,
+        const std::string& publication_id, const std::string& offered) {
+      return registry_collective_id(self, token, rank, publication_id, offered);
+    },
     [=](deadline_atom, std::uint64_t seq) {
       auto& st = self->state;
       if (!st.run || st.run->seq != seq || st.run->running)

@@ -92,6 +92,14 @@ struct rank_registry_state {
   std::string last_error;
   std::optional<publish_run> run;
   std::uint64_t next_seq = 1;
+  // GPUs: each publication's NCCL communicator id, offered by rank 0 (collective_id).
+  struct collective_rendezvous {
+    std::string id;
+    std::uint64_t seq = 0;
+    std::vector<caf::typed_response_promise<std::string>> waiting;
+  };
+  std::map<std::string, collective_rendezvous> collective_ids;
+  std::uint64_t next_collective_seq = 1;
 
   // The epoch coordinators are not linked to the registry: they go with it.
   ~rank_registry_state();

@@ -28,4 +28,8 @@ CAF_BEGIN_TYPE_ID_BLOCK(refit_net, caf::id_block::refit::end)
   CAF_ADD_TYPE_ID(refit_net, (refit::rollout_sleep))
   CAF_ADD_TYPE_ID(refit_net, (refit::rollout_wake))
 
+  // Trainer processes on GPUs: the NCCL unique id of a publication's communicator, offered by
+  // rank 0 and fetched by the others through the RankRegistry.
+  CAF_ADD_ATOM(refit_net, refit, collective_id_atom, "coll_id")
+
 CAF_END_TYPE_ID_BLOCK(refit_net)

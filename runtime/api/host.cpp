@@ -19,6 +19,9 @@
 #include "runtime/control/process.hpp"
 #include "runtime/control/protocol_version.hpp"
 #include "runtime/publication/backend.hpp"
+#if REFIT_HAVE_CUDA
+#include "runtime/cuda/nccl_process_collective.hpp"
+#endif
 
 #ifndef REFIT_LIBRARY_VERSION
 #define REFIT_LIBRARY_VERSION "unknown"
@@ -163,12 +166,7 @@ error host::register_rank(rank_spec spec) {
   try {
     auto d = device::parse(spec.device, "rank.device");
 #if REFIT_HAVE_CUDA
-    // One GPU per trainer process; the cross-process NCCL communicator (world > 1 on GPUs)
-    // is not built yet.
-    if (d.k == device::kind::cuda && spec.world != 1)
-      return api_error("invalid_argument", "rank.device",
-                       "'" + spec.device + "': trainer ranks on GPUs publish with world 1 only "
-                       "(the NCCL communicator across trainer processes is not built yet)");
+    (void)d; // CPU devices, or one GPU per trainer process (its own NCCL communicator)
 #else
     if (d.k != device::kind::cpu)
       return api_error("invalid_argument", "rank.device",
@@ -399,14 +397,40 @@ error host::impl::connect_steps() {
   ro.device_uuid = refit::publication::device_uuid(device::parse(rank->device, "rank.device"));
   ro.collectives = group; // every publication's collective: a shm_collective over the members
   if (device::parse(rank->device, "rank.device").k == device::kind::cuda) {
-    // World 1 on a GPU: the NCCL registry of this one device (the gather is a device copy
-    // from the registered memory into the CUDA IPC packed buffer).
+#if REFIT_HAVE_CUDA
+    // One GPU per trainer process: this process's NCCL communicator, rank `rank` of `world`.
+    // Rank 0 creates each communicator's unique id and offers it through the coordinator
+    // (the RankRegistry's collective_id); the other ranks fetch it there, each wait bounded
+    // by the collective's deadline. Called on the TrainerRank's worker thread.
+    auto exchange = [sys = sys.get(), registry = registry, wire = token, r = rank->rank](
+                      const std::string& publication_id, const std::string& offered,
+                      std::chrono::steady_clock::time_point deadline) -> std::string {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+      if (left.count() <= 0)
+        throw std::runtime_error("the deadline passed before the communicator id exchange");
+      caf::scoped_actor self{*sys};
+      std::string out;
+      caf::error err;
+      self->request(registry, left, collective_id_atom::value, wire, r, publication_id, offered)
+        .receive([&](std::string& id) { out = std::move(id); },
+                 [&](caf::error& e) { err = std::move(e); });
+      if (err)
+        throw std::runtime_error(
+          "communicator id of publication " + publication_id + " from the coordinator: "
+          + (err == caf::sec::request_timeout ? std::string("no answer before the deadline "
+                                                            "(rank 0 did not offer it)")
+                                              : render(err)));
+      return out;
+    };
     try {
-      ro.collectives = refit::publication::make_collective_registry(
-        {device::parse(rank->device, "rank.device")});
+      ro.collectives = refit::cuda::make_nccl_process_registry(
+        device::parse(rank->device, "rank.device").index, rank->rank, rank->world,
+        std::move(exchange));
     } catch (const std::exception& e) {
       return api_error("spawn_failed", "collective", e.what());
     }
+#endif
   }
   ro.gate = gate;
   ro.collective_timeout_ms = cfg.publication.gate_deadline_ms * 9 / 10;

@@ -55,6 +55,7 @@
 #include <unistd.h>
 
 #include <caf/actor_system.hpp>
+#include <caf/after.hpp>
 #include <caf/actor_system_config.hpp>
 #include <caf/scoped_actor.hpp>
 #include <caf/send.hpp>
@@ -69,6 +70,7 @@
 #include "runtime/bench/fsdp_memory.hpp"
 #include "runtime/bench/measure.hpp"
 #include "runtime/bench/publish_bench.hpp"
+#include "runtime/bench/source_compare.hpp"
 #if REFIT_HAVE_CUDA
 #include "runtime/cuda/cuda.hpp"
 #endif
@@ -90,6 +92,19 @@ struct iteration_result {
   std::optional<std::uint64_t> trainer_extra;
   std::optional<std::uint64_t> runtime_extra;
   std::optional<std::uint64_t> device_extra; // GPU publications
+  std::string source;   // the weight source of its phase (synthetic / registered)
+  unsigned round = 0;   // --source registered: the comparison round it belongs to
+};
+
+// What one phase's trainer ranks took in memory when they were spawned (before any
+// publication): their own allocations on the trainer devices (cudaMemGetInfo, GPUs) and the
+// registered FSDP2 arenas the bench allocated for them.
+struct trainer_memory {
+  std::string source;
+  std::uint64_t arena_bytes = 0;       // registered: bytes of the FSDP2 arenas (all ranks)
+  std::uint64_t registered_bytes = 0;  // registered: bytes of the registered tensors
+  std::optional<std::uint64_t> arena_device_bytes; // GPU: free drop while the arenas were made
+  std::optional<std::uint64_t> ranks_device_bytes; // GPU: free drop while the ranks started
 };
 
 class bench {
@@ -172,7 +187,13 @@ private:
   }
 
   void start();
+  // The trainer side of one phase: the ranks over `source` (registered: fresh FSDP2 arenas).
+  void start_trainers(const std::string& source);
+  // Stops the phase's ranks and waits until they are gone (their device memory freed).
+  void stop_trainers();
   void stop();
+  // Device free bytes summed over the trainer GPUs (0 on CPU).
+  std::uint64_t trainer_free_bytes() const;
 
   bool on_gpu() const { return cfg_.publication.transport == "cuda_ipc"; }
   // CUDA ordinals of the trainer ranks (colocated: the runtime's devices unless trainer.devices).
@@ -195,6 +216,8 @@ private:
   bool started_ = false;
   std::vector<double> nccl_bound_; // GPU: NCCL all-gather bound samples (seconds)
   std::vector<std::unique_ptr<fsdp_memory>> memory_; // --source registered: the ranks' memory
+  std::vector<trainer_memory> trainer_memory_;        // one per phase
+  std::uint64_t next_version_ = 1;
 };
 
 void bench::start() {
@@ -215,37 +238,80 @@ void bench::start() {
     throw bench_error("the runtime did not become ready within "
                       + std::to_string(timeout.count() / 1000) + " s: "
                       + (st.last_error.empty() ? std::string("no error reported") : st.last_error));
-  std::vector<std::shared_ptr<const refit::publication::registered_weights>> registered;
-  if (opts_.source == "registered") {
-    const refit::model::synthetic_weights w{cfg_.job.seed, cfg_.trainer.lr, cfg_.trainer.init_scale};
-    for (std::uint32_t r = 0; r < cfg_.runtime.tp_size; ++r) {
-      memory_.push_back(std::make_unique<fsdp_memory>(cfg_.model, cfg_.runtime.tp_size, r, w, 0));
-      registered.push_back(memory_.back()->registered());
-    }
-  } else if (opts_.source != "synthetic") {
+  if (opts_.source != "registered" && opts_.source != "synthetic")
     throw bench_error("--source " + opts_.source + ": neither synthetic nor registered");
+}
+
+std::uint64_t bench::trainer_free_bytes() const {
+  std::uint64_t total = 0;
+#if REFIT_HAVE_CUDA
+  if (on_gpu())
+    for (int d : trainer_ordinals())
+      total += refit::cuda::free_bytes(d);
+#endif
+  return total;
+}
+
+void bench::start_trainers(const std::string& source) {
+  trainer_memory tm;
+  tm.source = source;
+  std::vector<std::shared_ptr<const refit::publication::registered_weights>> registered;
+  if (source == "registered") {
+    const refit::model::synthetic_weights w{cfg_.job.seed, cfg_.trainer.lr, cfg_.trainer.init_scale};
+    const auto& devices = cfg_.trainer.devices.empty() ? cfg_.runtime.devices : cfg_.trainer.devices;
+    const std::uint64_t before = trainer_free_bytes();
+    for (std::uint32_t r = 0; r < cfg_.runtime.tp_size; ++r) {
+      auto d = refit::device::parse(devices.at(r), "trainer device");
+      try {
+        memory_.push_back(
+          std::make_unique<fsdp_memory>(cfg_.model, cfg_.runtime.tp_size, r, w, 0, d));
+      } catch (const std::exception& e) {
+        throw bench_error("allocating rank " + std::to_string(r) + "'s FSDP2 memory on "
+                          + devices.at(r) + ": " + e.what());
+      }
+      registered.push_back(memory_.back()->registered());
+      tm.arena_bytes += memory_.back()->allocated_bytes();
+      tm.registered_bytes += memory_.back()->bytes();
+    }
+    if (on_gpu())
+      tm.arena_device_bytes = before - std::min(before, trainer_free_bytes());
   }
+  const std::uint64_t before = trainer_free_bytes();
   pub_ = refit::spawn_publication(*sys_, cfg_, rollout_, std::move(registered));
   // Ranks answer describe once their worker threads have allocated and filled their shards,
   // so no timed publication (or memory probe) overlaps that.
   for (const auto& rank : pub_.ranks)
     ask<refit::rank_info>("describe of a trainer rank", rank, caf::timespan{10min},
                           refit::describe_atom::value);
+  if (on_gpu())
+    tm.ranks_device_bytes = before - std::min(before, trainer_free_bytes());
+  trainer_memory_.push_back(tm);
+}
+
+void bench::stop_trainers() {
+  if (verifier_)
+    caf::anon_send_exit(verifier_, caf::exit_reason::user_shutdown);
+  verifier_ = nullptr;
+  if (pub_.coordinator) {
+    caf::scoped_actor self{*sys_};
+    for (const auto& r : pub_.ranks)
+      self->monitor(r);
+    refit::shutdown_publication(pub_);
+    for (std::size_t i = 0; i < pub_.ranks.size(); ++i)
+      self->receive([](const caf::down_msg&) {},
+                    caf::after(std::chrono::seconds(60)) >> [] {});
+  }
+  pub_ = {};
+  memory_.clear(); // after the ranks that read it are gone
 }
 
 void bench::stop() {
   if (!started_)
     return;
-  if (verifier_)
-    caf::anon_send_exit(verifier_, caf::exit_reason::user_shutdown);
-  if (pub_.coordinator)
-    refit::shutdown_publication(pub_);
+  stop_trainers();
   refit::shutdown_rollout(*sys_, rollout_);
-  verifier_ = nullptr;
-  pub_ = {};
   rollout_ = {};
   sys_.reset();
-  memory_.clear(); // after the ranks that read it are gone
   started_ = false;
 }
 
@@ -257,27 +323,49 @@ json bench::run() {
   std::optional<iteration_result> verify_run;
   std::string verify_error;
   std::unique_ptr<memcpy_bound> bound;
+  std::vector<iteration_result> compared; // --source registered: every phase's publications
   try {
     start();
-    for (std::uint64_t v = 1; v <= opts_.iterations; ++v) {
-      if (v > 1)
-        step_all(v);
-      runs.push_back(publish(pub_.coordinator, v));
-      if (!on_gpu()) {
-        if (!bound)
-          bound = std::make_unique<memcpy_bound>(runs.front().res.bytes);
-        bound->sample(opts_.bound_reps);
-      }
-      if (!opts_.as_json) {
-        const auto& r = runs.back().res;
-        std::fprintf(stderr, "%s: version %llu: %.3f s (%.2f GB/s)\n", program,
-                     static_cast<unsigned long long>(v), r.seconds,
-                     r.seconds > 0 ? r.bytes / r.seconds / 1e9 : 0.0);
+    // --source registered: rounds of (synthetic, registered) phases on the same runtime, so
+    // the registered figure has the synthetic one of the same run next to it; otherwise one
+    // phase of the requested source.
+    std::vector<std::pair<std::string, unsigned>> phases;
+    for (unsigned round = 1; round <= opts_.rounds; ++round) {
+      if (opts_.source == "registered")
+        phases.push_back({"synthetic", round});
+      phases.push_back({opts_.source, round});
+    }
+    for (std::size_t ph = 0; ph < phases.size(); ++ph) {
+      const auto& [source, round] = phases[ph];
+      if (ph > 0)
+        stop_trainers();
+      start_trainers(source);
+      for (unsigned i = 1; i <= opts_.iterations; ++i) {
+        const std::uint64_t v = next_version_++;
+        if (i > 1)
+          step_all(v);
+        auto it = publish(pub_.coordinator, v);
+        it.source = source;
+        it.round = round;
+        compared.push_back(it);
+        if (source == opts_.source)
+          runs.push_back(it);
+        if (!on_gpu()) {
+          if (!bound)
+            bound = std::make_unique<memcpy_bound>(it.res.bytes);
+          bound->sample(opts_.bound_reps);
+        }
+        if (!opts_.as_json) {
+          const auto& r = it.res;
+          std::fprintf(stderr, "%s: %s (round %u): version %llu: %.3f s (%.2f GB/s)\n",
+                       program, source.c_str(), round, static_cast<unsigned long long>(v),
+                       r.seconds, r.seconds > 0 ? r.bytes / r.seconds / 1e9 : 0.0);
+        }
       }
     }
     if (opts_.verify) {
       // Same ranks, gate and runtime; a coordinator whose byte-exact verifier is on.
-      const std::uint64_t v = opts_.iterations + 1;
+      const std::uint64_t v = next_version_++;
       step_all(v);
       refit::sync_coordinator_options so;
       so.model = cfg_.model;
@@ -426,7 +514,7 @@ json bench::run() {
         checksums = checksums && !r.checksums.empty();
     out["verified"] = committed && checksums;
     json v;
-    v["model_version"] = opts_.iterations + 1;
+    v["model_version"] = next_version_ - 1;
     if (committed) {
       v["seconds"] = verify_run->res.seconds;
       v["wall_seconds"] = verify_run->wall_seconds;
@@ -439,6 +527,36 @@ json bench::run() {
     }
     out["verify"] = v;
   }
+  if (opts_.source == "registered") {
+    std::vector<source_sample> samples;
+    for (const auto& r : compared)
+      samples.push_back({r.source, r.round, r.res.seconds, r.device_extra});
+    out["rounds"] = opts_.rounds;
+    out["comparison"] = compare_sources(samples, 0.05);
+    out["comparison"]["schedule"]
+      = "each round: --iterations publications from the synthetic shard store, then "
+        "--iterations from the registered FSDP2 memory, on the same runtime; the ranks (and "
+        "their memory) are replaced between the phases, versions continue";
+  }
+  json memory = json::array();
+  for (const auto& m : trainer_memory_) {
+    json j;
+    j["source"] = m.source;
+    if (m.source == "registered") {
+      j["arena_bytes"] = m.arena_bytes;
+      j["registered_bytes"] = m.registered_bytes;
+      j["arena_allocations"] = cfg_.runtime.tp_size;
+    }
+    j["arena_device_bytes"] = m.arena_device_bytes ? json(*m.arena_device_bytes) : json(nullptr);
+    j["ranks_device_bytes"] = m.ranks_device_bytes ? json(*m.ranks_device_bytes) : json(nullptr);
+    memory.push_back(j);
+  }
+  out["trainer_memory"] = memory;
+  out["trainer_memory_method"]
+    = "per phase: arena_bytes = what the bench allocated for the registered FSDP2 memory (one "
+      "allocation per rank); arena_device_bytes / ranks_device_bytes = drop of cudaMemGetInfo "
+      "free bytes (summed over the trainer GPUs) while the arenas were filled / while the "
+      "ranks started (synthetic: their shard store; registered: no copy of the weights)";
   if (recipe_verify)
     out["note"] = "publication.verify in the recipe was ignored for the timed publications";
   return out;

@@ -20,6 +20,9 @@ struct publish_options {
   // "synthetic": the ranks' synthetic shard store; "registered": each rank publishes memory
   // laid out as an FSDP2 trainer holds it (bench/fsdp_memory.hpp), registered zero copy.
   std::string source = "synthetic";
+  // --source registered: rounds of (synthetic, registered) phases of `iterations`
+  // publications each, in one run (source_compare.hpp); other sources: repeated phases.
+  unsigned rounds = 1;
   bool as_json = false;
 };
 

@@ -15,6 +15,7 @@ inline constexpr std::uint32_t protocol_version = 2; // 2: header.producer_pids
 // 2: the serve handshake before BASP; hello/join tokens only with TLS.
 // 3: rank_info.weight_source, publication_spec.tp / verify, rank_report.digest_terms
 //    (registered tensors); the registry's generate / sleep / wake.
-inline constexpr std::uint32_t serve_protocol_version = 3;
+// 4: the registry's collective_id (NCCL unique ids of trainer processes on GPUs).
+inline constexpr std::uint32_t serve_protocol_version = 4;
 
 } // namespace refit::wire

@@ -272,6 +272,34 @@ std::vector<std::uint64_t> stream::digests(const std::vector<digest_desc>& tenso
   return out;
 }
 
+std::vector<std::uint64_t> stream::placed_digests(const std::vector<placed_desc>& placements,
+                                                  std::size_t slots) {
+  std::vector<std::uint64_t> out(slots, 0);
+  if (placements.empty() || slots == 0)
+    return out;
+  use(ordinal_);
+  auto start = block_prefix(placements, [](const placed_desc& d) {
+    return ceil_div(d.row_elements * d.rows, kernels::digest_unit_elements);
+  });
+  const std::uint64_t desc_bytes = placements.size() * sizeof(placed_desc);
+  const std::uint64_t start_bytes = start.size() * sizeof(std::uint64_t);
+  const std::uint64_t out_bytes = out.size() * sizeof(std::uint64_t);
+  staging_.assign(desc_bytes + start_bytes + out_bytes, std::byte{0});
+  std::memcpy(staging_.data(), placements.data(), desc_bytes);
+  std::memcpy(staging_.data() + desc_bytes, start.data(), start_bytes);
+  std::byte* dev = upload(staging_.data(), staging_.size());
+  auto* sums = reinterpret_cast<std::uint64_t*>(dev + desc_bytes + start_bytes);
+  kernels::placed(stream_, reinterpret_cast<const placed_desc*>(dev),
+                  reinterpret_cast<const std::uint64_t*>(dev + desc_bytes),
+                  static_cast<std::uint32_t>(placements.size()), start.back(), sums);
+  REFIT_CUDA_CALL(cudaMemcpyAsync(out.data(), sums, out_bytes, cudaMemcpyDeviceToHost,
+                                  static_cast<cudaStream_t>(stream_)),
+                  ordinal_, "placed digests");
+  REFIT_CUDA_CALL(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)), ordinal_,
+                  "placed digests");
+  return out;
+}
+
 // ---- IPC ------------------------------------------------------------------------------------
 
 bool is_ipc_handle(const std::string& handle) { return handle.rfind("cudaipc:", 0) == 0; }

@@ -81,6 +81,20 @@ struct digest_desc {
   std::uint32_t element_size = 2; // 2 or 4
 };
 
+// Elements of device memory placed into a resident tensor (rows of row_elements, strides in
+// elements): their digest terms element_term(dst, bits) - element_term(dst, 0) go to slot
+// `resident` (registered weights' partial digests, publication/registered.cpp).
+struct placed_desc {
+  const std::byte* src = nullptr;  // row 0's first element
+  std::uint32_t resident = 0;
+  std::uint32_t element_size = 2;  // 2 or 4
+  std::uint64_t src_stride = 0;
+  std::uint64_t dst_element = 0;   // resident element index of row 0's first element
+  std::uint64_t dst_stride = 0;
+  std::uint64_t row_elements = 0;
+  std::uint64_t rows = 0;
+};
+
 // A non-blocking stream on one device, with an event that orders completion.
 class stream {
 public:
@@ -101,6 +115,9 @@ public:
   bool done();
   // Element digests of `tensors` (one reduction kernel); waits for the result.
   std::vector<std::uint64_t> digests(const std::vector<digest_desc>& tensors);
+  // Sums of the placements' digest terms per slot (`slots` of them); waits for the result.
+  std::vector<std::uint64_t> placed_digests(const std::vector<placed_desc>& placements,
+                                            std::size_t slots);
 
 private:
   int ordinal_;

@@ -196,6 +196,28 @@ __global__ void expected_kernel(const expect_desc* descs, const std::uint64_t* b
   block_sum_into(acc, out + d.resident);
 }
 
+__global__ void placed_kernel(const placed_desc* descs, const std::uint64_t* block_start,
+                              std::uint32_t n, unsigned long long* out) {
+  const std::uint64_t block = blockIdx.x + std::uint64_t{gridDim.x} * blockIdx.y;
+  const std::uint32_t di = find_desc(block_start, n, block);
+  const placed_desc d = descs[di];
+  const std::uint64_t total = d.row_elements * d.rows;
+  const std::uint64_t e0 = (block - block_start[di]) * digest_unit_elements;
+  const std::uint64_t e1 = e0 + digest_unit_elements < total ? e0 + digest_unit_elements : total;
+  std::uint64_t acc = 0;
+  for (std::uint64_t u = e0 + threadIdx.x; u < e1; u += blockDim.x) {
+    const std::uint64_t row = u / d.row_elements;
+    const std::uint64_t col = u - row * d.row_elements;
+    const std::uint64_t src = row * d.src_stride + col;
+    const std::uint64_t dst = d.dst_element + row * d.dst_stride + col;
+    const std::uint32_t bits = d.element_size == 2
+                                 ? reinterpret_cast<const std::uint16_t*>(d.src)[src]
+                                 : reinterpret_cast<const std::uint32_t*>(d.src)[src];
+    acc += element_term(dst, bits) - element_term(dst, 0);
+  }
+  block_sum_into(acc, out + d.resident);
+}
+
 void check(cudaError_t status, const char* what) {
   if (status != cudaSuccess)
     throw launch_error(std::string(what) + ": " + cudaGetErrorString(status));
@@ -227,6 +249,15 @@ void digests(void* stream, const digest_desc* descs, const std::uint64_t* block_
   digest_kernel<<<grid_of(blocks), threads, 0, static_cast<cudaStream_t>(stream)>>>(
     descs, block_start, n, reinterpret_cast<unsigned long long*>(out));
   check(cudaGetLastError(), "digest kernel launch");
+}
+
+void placed(void* stream, const placed_desc* descs, const std::uint64_t* block_start,
+            std::uint32_t n, std::uint64_t blocks, std::uint64_t* out) {
+  if (blocks == 0)
+    return;
+  placed_kernel<<<grid_of(blocks), threads, 0, static_cast<cudaStream_t>(stream)>>>(
+    descs, block_start, n, reinterpret_cast<unsigned long long*>(out));
+  check(cudaGetLastError(), "placed-digest kernel launch");
 }
 
 void fill(void* stream, std::byte* out, std::uint64_t begin, std::uint64_t count,

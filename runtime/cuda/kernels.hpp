@@ -46,6 +46,10 @@ void fill(void* stream, std::byte* out, std::uint64_t begin, std::uint64_t count
           float lr, std::uint32_t element_size);
 void step(void* stream, std::byte* inout, std::uint64_t begin, std::uint64_t count,
           std::uint64_t base, float lr, std::uint32_t element_size);
+// Adds element_term(dst, bits) - element_term(dst, 0) of every element of device memory the
+// descriptors place to out[resident].
+void placed(void* stream, const placed_desc* descs, const std::uint64_t* block_start,
+            std::uint32_t n, std::uint64_t blocks, std::uint64_t* out);
 // Adds element_term(dst, value) - element_term(dst, 0) of every placed element to
 // out[resident]; add the zero digest of each resident tensor separately.
 void expected(void* stream, const expect_desc* descs, const std::uint64_t* block_start,

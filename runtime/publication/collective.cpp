@@ -111,10 +111,25 @@ collective_status local_collective::all_gather(std::uint32_t rank,
   const std::string mismatch = validate_posted(posted);
   lock.unlock();
   if (mismatch.empty()) {
-    // Push: this rank writes its own shard of every item into every rank's output (slot
-    // `rank`), reading each shard once for all of them. Every rank moves the same bytes.
+    // Uniform layout, push: this rank writes its own shard of every item into every rank's
+    // output (slot `rank`), reading each shard once for all of them. Every rank moves the
+    // same bytes.
+    // Variable layout (registered tensors): pull instead, every rank copies every rank's piece
+    // into its own output. Pieces are unequal there (a fused expert's canonical tensors come
+    // whole from the one rank holding the expert), so pushing would leave that rank copying
+    // into every buffer while the others wait; pulling gives each rank one tensor's bytes.
     std::vector<std::byte*> outs(world_);
     for (std::size_t i = 0; i < items.size(); ++i) {
+      if (!items[i].pieces.empty()) {
+        for (std::uint32_t q = 0; q < world_; ++q) {
+          const auto& piece = items[i].pieces[q];
+          const std::byte* from = (*posted[q])[i].shard;
+          std::byte* to = items[i].out + piece.offset;
+          if (piece.bytes != 0 && to != from)
+            bulk_copy_to_all(&to, 1, from, piece.bytes);
+        }
+        continue;
+      }
       const std::uint64_t shard_bytes = items[i].shard_bytes;
       if (shard_bytes == 0)
         continue;

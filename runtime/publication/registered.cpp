@@ -264,22 +264,54 @@ std::vector<std::uint64_t> registered_weights::partial_digests(
     throw std::invalid_argument(device::to_string(device_)
                                 + ": registered device memory needs a build with REFIT_CUDA=ON");
 #endif
-  std::vector<std::byte> staged; // device memory: the piece copied to the host first
   const std::size_t residents = layout.residents().size();
   std::vector<std::uint64_t> out(std::size_t{layout.tp()} * residents, 0);
+#if REFIT_HAVE_CUDA
+  if (device_.k == device::kind::cuda) {
+    // On the device: one kernel over every placement row this rank contributed (slots are
+    // t * residents + resident), no copy of the registered memory to the host.
+    std::vector<cuda::placed_desc> descs;
+    for (const auto i : indices) {
+      const auto& p = params_.at(i);
+      const auto& mine = pieces_[i][rank_];
+      if (mine.bytes == 0)
+        continue;
+      const std::uint64_t es = model::dtype_size(p.dt);
+      for (std::uint32_t t = 0; t < layout.tp(); ++t)
+        for (const auto& pl : layout.place(p, t)) {
+          const auto slot = static_cast<std::uint32_t>(std::size_t{t} * residents + pl.resident_index);
+          const bool whole = pl.src_offset >= mine.offset
+                             && pl.src_offset + (pl.rows ? (pl.rows - 1) * pl.src_stride : 0)
+                                    + pl.row_bytes <= mine.offset + mine.bytes;
+          for (std::uint64_t r = 0; r < pl.rows; r += whole ? pl.rows : 1) {
+            const std::uint64_t row_lo = pl.src_offset + r * pl.src_stride;
+            const std::uint64_t a = std::max(row_lo, mine.offset);
+            const std::uint64_t b = std::min(row_lo + pl.row_bytes, mine.offset + mine.bytes);
+            if (b <= a)
+              continue;
+            cuda::placed_desc d;
+            d.src = sources_[i] + (a - mine.offset);
+            d.resident = slot;
+            d.element_size = static_cast<std::uint32_t>(es);
+            d.src_stride = pl.src_stride / es;
+            d.dst_element = (pl.dst_offset + r * pl.dst_stride + (a - row_lo)) / es;
+            d.dst_stride = pl.dst_stride / es;
+            d.row_elements = (b - a) / es;
+            d.rows = whole ? pl.rows : 1;
+            descs.push_back(d);
+          }
+        }
+    }
+    cuda::stream s(device_.index);
+    return s.placed_digests(descs, out.size());
+  }
+#endif
   for (const auto i : indices) {
     const auto& p = params_.at(i);
     const auto& mine = pieces_[i][rank_];
     if (mine.bytes == 0)
       continue;
     const std::byte* src = sources_[i];
-#if REFIT_HAVE_CUDA
-    if (device_.k == device::kind::cuda) {
-      staged.resize(mine.bytes);
-      cuda::copy_to_host(device_.index, staged.data(), src, mine.bytes);
-      src = staged.data();
-    }
-#endif
     const std::uint64_t es = model::dtype_size(p.dt);
     for (std::uint32_t t = 0; t < layout.tp(); ++t) {
       for (const auto& pl : layout.place(p, t)) {

@@ -66,6 +66,12 @@ int main(int argc, char** argv) {
                       "registered (memory laid out as FSDP2 holds it: unpadded Shard(0) rows, "
                       "fused experts; published zero copy)")
     ->check(CLI::IsMember({"synthetic", "registered"}));
+  publish->add_option("--rounds", o.rounds,
+                      "with --source registered: rounds of (synthetic, registered) phases of "
+                      "--iterations publications each in this run (default 1); the result's "
+                      "`comparison` gives both medians, their spread, the ratio and whether "
+                      "registered is within 5% of synthetic in every round")
+    ->check(CLI::Range(1u, 100u));
   publish->add_option("--bound-reps", o.bound_reps,
                       "memcpy repetitions timed for the bound right after each publication "
                       "(default 3); bound_gbps uses the median of all of them")
