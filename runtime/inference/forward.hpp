@@ -103,6 +103,19 @@ struct rank_forward_options {
   // forward runs there (a LibTorch with CUDA is needed); collectives and the returned logits
   // go through host memory. -1: CPU.
   int cuda_device = -1;
+  // The dtype activations and matmuls compute in. The forward computes in fp32 (bf16 / fp16
+  // residents converted on use) and refuses anything else; a faster engine may honour
+  // bfloat16. Paths that need the fp32 reference (the runtime's SCORE command) set float32
+  // explicitly so that they keep it whatever a default becomes.
+  model::dtype compute_dtype = model::dtype::float32;
+};
+
+// Distinct experts the router chose in one forward call (for the generation statistics and
+// the decode roofline of refit-bench generate).
+struct routing_counts {
+  bool counted = false;            // false: this forward does not count them
+  std::uint64_t distinct_experts = 0; // sum over layers of the distinct experts routed to
+  std::uint32_t layers = 0;
 };
 
 class rank_forward {
@@ -114,6 +127,10 @@ public:
   // or one row per token (items in order).
   virtual std::vector<float> forward(const std::vector<forward_item>& items, std::byte* kv_base,
                                      logits_rows rows) = 0;
+  // The routing of the last forward call: per layer the number of distinct experts that at
+  // least one of its tokens was routed to (this rank's router is replicated, so every rank
+  // counts the same), summed over layers.
+  virtual routing_counts last_routing() const { return {}; }
 };
 
 // Loads the LibTorch backend on first use. Throws std::runtime_error naming the paths tried
@@ -125,7 +142,7 @@ std::unique_ptr<rank_forward> make_rank_forward(const rank_forward_options& opti
 std::string loaded_backend_path();
 
 // ABI handshake between make_rank_forward and the module.
-constexpr std::uint32_t backend_abi_version = 2;
+constexpr std::uint32_t backend_abi_version = 3; // 3: compute_dtype, last_routing
 struct backend_entry {
   std::uint32_t abi_version;
   std::size_t options_size; // sizeof(rank_forward_options) in the module

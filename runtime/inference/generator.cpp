@@ -1,6 +1,7 @@
 #include "runtime/inference/generator.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -168,6 +169,41 @@ private:
   std::vector<std::vector<std::uint32_t>*> held_;
 };
 
+// The phase timings and traffic counters of generate_stats, kept out of the loop's logic.
+class phase_meter {
+public:
+  using clock = std::chrono::steady_clock;
+  explicit phase_meter(generate_stats& st) : st_(st), start_(clock::now()) {}
+  void begin() { t0_ = clock::now(); }
+  void end_prefill() {
+    st_.prefill_seconds += since(t0_);
+    if (!first_token_) {
+      st_.first_token_seconds = since(start_);
+      first_token_ = true;
+    }
+  }
+  // After a decode forward over `items`.
+  void decode_forward(const rank_forward& model, const std::vector<forward_item>& items) {
+    const routing_counts r = model.last_routing();
+    st_.expert_loads_counted = r.counted && (st_.decode_steps == 0 || st_.expert_loads_counted);
+    st_.decode_expert_loads += r.distinct_experts;
+    ++st_.decode_steps;
+    st_.decode_tokens += items.size();
+    for (const auto& item : items)
+      st_.decode_kv_positions += std::uint64_t{item.position} + item.count;
+  }
+  void end_decode() { st_.decode_seconds += since(t0_); }
+
+private:
+  static double since(clock::time_point t) {
+    return std::chrono::duration<double>(clock::now() - t).count();
+  }
+  generate_stats& st_;
+  const clock::time_point start_;
+  clock::time_point t0_;
+  bool first_token_ = false;
+};
+
 } // namespace
 
 std::vector<generation> engine::generate(const std::vector<const std::byte*>& residents,
@@ -180,7 +216,9 @@ std::vector<generation> engine::generate(const std::vector<const std::byte*>& re
   const std::size_t vocab = cfg_.vocab_size;
 
   generate_stats st;
+  phase_meter meter(st);
   st.model_version = weights_version;
+  st.kv_bytes_per_position = kv_.block_bytes() / block_size;
   if (cache_version_ && *cache_version_ != weights_version && pool_.prefix_entries() != 0)
     st.stale_entries_dropped = reset_prefix_cache();
   cache_version_ = weights_version;
@@ -225,6 +263,7 @@ std::vector<generation> engine::generate(const std::vector<const std::byte*>& re
       st.prefix_hit_blocks += s.blocks.size();
       st.prefix_hit_tokens += cached[i];
     }
+    meter.begin();
     std::vector<forward_item> items;
     for (std::size_t i = 0; i < wave.size(); ++i) {
       sequence& s = prompts[i];
@@ -303,6 +342,7 @@ std::vector<generation> engine::generate(const std::vector<const std::byte*>& re
     for (std::size_t i = 0; i < wave.size(); ++i)
       for (std::uint32_t sample = 0; sample < n; ++sample)
         accept(live[i * n + sample], prompt_logits.data() + i * vocab);
+    meter.end_prefill();
 
     // ---- decode: one batched step per token
     for (;;) {
@@ -312,6 +352,7 @@ std::vector<generation> engine::generate(const std::vector<const std::byte*>& re
           active.push_back(&s);
       if (active.empty())
         break;
+      meter.begin();
       items.clear();
       for (sequence* s : active) {
         const std::uint32_t position = static_cast<std::uint32_t>(s->tokens.size() - 1);
@@ -321,8 +362,10 @@ std::vector<generation> engine::generate(const std::vector<const std::byte*>& re
       }
       const std::vector<float> logits = model->forward(items, arena_, logits_rows::last_token);
       ++st.forward_passes;
+      meter.decode_forward(*model, items);
       for (std::size_t i = 0; i < active.size(); ++i)
         accept(*active[i], logits.data() + i * vocab);
+      meter.end_decode();
     }
     for (auto& s : prompts)
       guard.release(s.blocks);

@@ -54,6 +54,11 @@ public:
       device_(o.cuda_device >= 0 ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(o.cuda_device))
                                  : at::Device(at::kCPU)),
       f32_(at::TensorOptions().dtype(at::kFloat).device(device_)) {
+    if (o.compute_dtype != model::dtype::float32)
+      throw std::invalid_argument("torch_forward: compute dtype "
+                                  + std::to_string(static_cast<int>(o.compute_dtype))
+                                  + " (model::dtype) is not supported: this forward computes "
+                                    "in float32 only");
     if (head_dim_ % 2 != 0)
       throw std::invalid_argument("torch_forward: head_dim " + std::to_string(head_dim_)
                                   + " must be even for RoPE");
@@ -103,6 +108,7 @@ public:
     }
     const auto n = static_cast<std::int64_t>(tokens.size());
 
+    routing_ = {true, 0, cfg_.num_hidden_layers};
     at::Tensor x = embed(tokens);
     const auto [cos, sin] = rope_tables(positions);
 
@@ -163,6 +169,8 @@ public:
     const float* data = logits.data_ptr<float>();
     return std::vector<float>(data, data + logits.numel());
   }
+
+  routing_counts last_routing() const override { return routing_; }
 
 private:
   void configure_threads() const {
@@ -361,6 +369,7 @@ private:
       auto& r = rows[static_cast<std::size_t>(e)];
       if (r.empty())
         continue;
+      ++routing_.distinct_experts;
       const auto m = static_cast<std::int64_t>(r.size());
       const at::Tensor index = at::from_blob(r.data(), {m}, at::kLong).to(device_);
       const at::Tensor scale =
@@ -392,6 +401,7 @@ private:
   const at::TensorOptions f32_; // fp32 on device_
   std::vector<float> inv_freq_;
   std::unordered_map<const std::byte*, at::Tensor> cache_;
+  routing_counts routing_; // of the last forward call
 };
 
 rank_forward* create(const rank_forward_options& options) {
