@@ -214,6 +214,18 @@ inline fake_proxy_actor::behavior_type fake_proxy(fake_self self,
         sc.tamper_generate(res);
       return fake_answer(self, "generate", res);
     },
+    [=](score_atom, score_request& req) -> caf::result<score_result> {
+      if (auto err = fake_begin(self, "score"))
+        return err;
+      auto& sc = *self->state.script;
+      if (!sc.desc.weights_awake || !sc.desc.kv_cache_awake || !sc.desc.weights_valid)
+        return make_refit_error(errc::runtime_invalid_state, "score", "runtime cannot score");
+      score_result res;
+      res.model_version = sc.desc.model_version;
+      for (const auto& seq : req.sequences)
+        res.logprobs.emplace_back(seq.size() - req.start, -0.25f);
+      return fake_answer(self, "score", res);
+    },
     [=](sleep_atom, std::uint32_t level) -> caf::result<runtime_description> {
       if (auto err = fake_begin(self, "sleep"))
         return err;
