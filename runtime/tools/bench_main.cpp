@@ -127,6 +127,10 @@ int main(int argc, char** argv) {
   generate->add_option("--bound-reps", go.bound_reps,
                        "bound copies after every measured request (default 3)")
     ->check(CLI::Range(1u, 100u));
+  std::string gen_model_dir;
+  generate->add_option("--model", gen_model_dir,
+                       "a Hugging Face model directory (config.json + safetensors) to load "
+                       "instead of the recipe's model (sets model.path)");
   bool no_gap = false;
   generate->add_flag("--no-gap", no_gap, "skip scoring the generated tokens with the fp32 forward");
   generate->add_flag("--json", go.as_json, "print one JSON object instead of a table");
@@ -197,6 +201,8 @@ int main(int argc, char** argv) {
   refit::config::refit_config cfg;
   try {
     cfg = refit::config::load_file(o.config_path);
+    if (generate->parsed() && !gen_model_dir.empty())
+      refit::config::use_model_dir(cfg, gen_model_dir);
   } catch (const refit::config::config_error& e) {
     return fail(std::string("bad config: ") + e.what());
   } catch (const std::exception& e) {
