@@ -950,6 +950,7 @@ void set_result_for(pb::Response& rsp, pb::Command cmd) {
     case pb::COMMAND_RELEASE_IPC: rsp.mutable_release_ipc()->set_buffers_closed(1); break;
     case pb::COMMAND_RESET_PREFIX_CACHE: rsp.mutable_reset_prefix_cache()->set_entries_dropped(9); break;
     case pb::COMMAND_SHUTDOWN: rsp.mutable_shutdown(); break;
+    case pb::COMMAND_SCORE: rsp.mutable_score()->set_model_version(5); break;
     default: FAIL() << "no result for command " << cmd;
   }
 }
