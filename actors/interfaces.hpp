@@ -20,6 +20,7 @@ namespace refit {
 using runtime_proxy_actor = caf::typed_actor<
   caf::replies_to<describe_atom>::with<runtime_description>,
   caf::replies_to<generate_atom, generate_request>::with<generate_result>,
+  caf::replies_to<score_atom, score_request>::with<score_result>,
   caf::replies_to<sleep_atom, std::uint32_t>::with<runtime_description>,
   caf::replies_to<wake_atom, wake_tags>::with<runtime_description>,
   caf::replies_to<init_wt_atom, transfer_init>::with<std::string>,
@@ -41,6 +42,9 @@ using rollout_engine_actor = caf::typed_actor<
   caf::replies_to<status_atom>::with<engine_status>,
   caf::replies_to<describe_atom>::with<runtime_description>,
   caf::replies_to<generate_atom, generate_request>::with<generate_result>,
+  // Teacher-forced fp32 logprobs of given sequences on the resident weights (refused
+  // exactly when generate is).
+  caf::replies_to<score_atom, score_request>::with<score_result>,
   caf::replies_to<sleep_atom, std::uint32_t>::with<engine_status>,
   caf::replies_to<wake_atom, wake_tags>::with<engine_status>,
   caf::replies_to<reset_pc_atom>::with<std::uint64_t>,

@@ -239,6 +239,61 @@ caf::error check_generate_result(const rollout_engine_state& st, const generate_
   return {};
 }
 
+// The refusals generate and score share (nothing is sent): an open update or IPC, weights
+// that are not a committed version, a sleeping runtime.
+caf::error refuse_generation(const rollout_engine_state& st, const std::string& command) {
+  if (st.update_open || st.ipc_open)
+    return make_refit_error(errc::update_open, command,
+                            "a weight update is open (publication '" + st.header.publication_id
+                              + "'); generation waits for commit and release");
+  if (st.needs_publication)
+    return make_refit_error(errc::needs_publication, command,
+                            "the runtime's weights are not a committed version; a full "
+                            "publication must commit first (committed version "
+                              + std::to_string(st.committed_version) + ")");
+  if (!st.runtime.weights_awake || !st.runtime.kv_cache_awake)
+    return make_refit_error(errc::asleep, command,
+                            std::string("the runtime is asleep (weights ")
+                              + (st.runtime.weights_awake ? "awake" : "asleep") + ", KV cache "
+                              + (st.runtime.kv_cache_awake ? "awake" : "asleep") + ")");
+  return {};
+}
+
+caf::error check_score_request(const score_request& x) {
+  auto bad = [](const std::string& where, const std::string& msg) {
+    return make_refit_error(errc::invalid_argument, "score." + where, msg);
+  };
+  if (x.sequences.empty())
+    return bad("sequences", "at least one sequence is required");
+  if (x.start == 0)
+    return bad("start", "start must be >= 1 (the token at position 0 has no context)");
+  for (std::size_t i = 0; i < x.sequences.size(); ++i)
+    if (x.sequences[i].size() <= x.start)
+      return bad("sequences[" + std::to_string(i) + "]",
+                 "sequence has " + std::to_string(x.sequences[i].size()) + " tokens; start "
+                   + std::to_string(x.start) + " leaves none to score");
+  return {};
+}
+
+caf::error check_score_result(const rollout_engine_state& st, const score_request& req,
+                              const score_result& res) {
+  auto bad = [](const std::string& where, const std::string& msg) {
+    return make_refit_error(errc::validation_failed, "score." + where, msg);
+  };
+  if (res.model_version != st.committed_version)
+    return bad("model_version", "runtime scored with version " + std::to_string(res.model_version)
+                                  + ", committed is " + std::to_string(st.committed_version));
+  if (res.logprobs.size() != req.sequences.size())
+    return bad("sequences", std::to_string(res.logprobs.size()) + " scored sequences, expected "
+                              + std::to_string(req.sequences.size()));
+  for (std::size_t i = 0; i < res.logprobs.size(); ++i)
+    if (res.logprobs[i].size() != req.sequences[i].size() - req.start)
+      return bad("sequences[" + std::to_string(i) + "]",
+                 std::to_string(res.logprobs[i].size()) + " logprobs, expected "
+                   + std::to_string(req.sequences[i].size() - req.start));
+  return {};
+}
+
 bool is_hex64(const std::string& s) {
   return s.size() == 64
          && std::all_of(s.begin(), s.end(), [](char c) { return std::isxdigit(static_cast<unsigned char>(c)); });
@@ -393,20 +448,8 @@ rollout_engine_actor::behavior_type rollout_engine(self_ptr self, rollout_engine
       auto& st = self->state;
       if (auto err = refuse_unless_connected(st, "generate"))
         return err;
-      if (st.update_open || st.ipc_open)
-        return make_refit_error(errc::update_open, "generate",
-                                "a weight update is open (publication '" + st.header.publication_id
-                                  + "'); generation waits for commit and release");
-      if (st.needs_publication)
-        return make_refit_error(errc::needs_publication, "generate",
-                                "the runtime's weights are not a committed version; a full "
-                                "publication must commit first (committed version "
-                                  + std::to_string(st.committed_version) + ")");
-      if (!st.runtime.weights_awake || !st.runtime.kv_cache_awake)
-        return make_refit_error(errc::asleep, "generate",
-                                std::string("the runtime is asleep (weights ")
-                                  + (st.runtime.weights_awake ? "awake" : "asleep") + ", KV cache "
-                                  + (st.runtime.kv_cache_awake ? "awake" : "asleep") + ")");
+      if (auto err = refuse_generation(st, "generate"))
+        return err;
       if (auto err = check_generate_request(req))
         return err;
       auto rp = self->make_response_promise<generate_result>();
@@ -423,6 +466,28 @@ rollout_engine_actor::behavior_type rollout_engine(self_ptr self, rollout_engine
           rp.deliver(res);
         },
         generate_atom::value, req);
+      return rp;
+    },
+    [=](score_atom, score_request& req) -> caf::result<score_result> {
+      auto& st = self->state;
+      if (auto err = refuse_unless_connected(st, "score"))
+        return err;
+      if (auto err = refuse_generation(st, "score"))
+        return err;
+      if (auto err = check_score_request(req))
+        return err;
+      auto rp = self->make_response_promise<score_result>();
+      forward<score_result>(self, rp, false, t.generate,
+        [=](score_result& res, decltype(rp)& rp) mutable {
+          auto& st = self->state;
+          if (auto err = check_score_result(st, req, res)) {
+            mark_broken(self, err, true);
+            return (void)rp.deliver(err);
+          }
+          res.model_version = st.committed_version;
+          rp.deliver(res);
+        },
+        score_atom::value, req);
       return rp;
     },
     [=](sleep_atom, std::uint32_t level) -> caf::result<engine_status> {

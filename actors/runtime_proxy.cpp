@@ -361,6 +361,12 @@ runtime_proxy_impl::behavior_type runtime_proxy(self_ptr self, runtime_proxy_opt
       return submit<generate_result>(
         self, std::move(req), [](const pb::Response& r) { return protocol::from_proto(r.generate()); });
     },
+    [=](score_atom, const score_request& x) {
+      auto req = request(pb::COMMAND_SCORE);
+      *req.mutable_score() = protocol::to_proto(x);
+      return submit<score_result>(
+        self, std::move(req), [](const pb::Response& r) { return protocol::from_proto(r.score()); });
+    },
     [=](sleep_atom, std::uint32_t level) {
       auto req = request(pb::COMMAND_SLEEP);
       req.mutable_sleep()->set_level(level);

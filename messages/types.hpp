@@ -105,14 +105,65 @@ typename Inspector::result_type inspect(Inspector& f, sample& x) {
            x.logprobs, x.finish_reason, x.prompt_truncated, x.model_version);
 }
 
+// How a generate request ran on the runtime (TP worker 0; control.proto GenerateStats).
+struct generation_stats {
+  std::uint64_t prompt_tokens = 0;
+  std::uint64_t computed_prompt_tokens = 0;
+  std::uint64_t prefix_hit_tokens = 0;
+  std::uint64_t generated_tokens = 0;
+  std::uint64_t waves = 0;
+  std::uint64_t forward_passes = 0;
+  double prefill_seconds = 0;
+  double decode_seconds = 0;
+  double first_token_seconds = 0;
+  std::uint64_t decode_steps = 0;
+  std::uint64_t decode_tokens = 0;
+  std::uint64_t decode_kv_positions = 0;
+  std::uint64_t decode_expert_loads = 0;
+  bool expert_loads_counted = false;
+  std::uint64_t kv_bytes_per_position = 0;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, generation_stats& x) {
+  return f(caf::meta::type_name("generation_stats"), x.prompt_tokens, x.computed_prompt_tokens,
+           x.prefix_hit_tokens, x.generated_tokens, x.waves, x.forward_passes, x.prefill_seconds,
+           x.decode_seconds, x.first_token_seconds, x.decode_steps, x.decode_tokens,
+           x.decode_kv_positions, x.decode_expert_loads, x.expert_loads_counted,
+           x.kv_bytes_per_position);
+}
+
 struct generate_result {
   std::vector<sample> samples;
   std::uint64_t model_version = 0;
+  generation_stats stats;
 };
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, generate_result& x) {
-  return f(caf::meta::type_name("generate_result"), x.samples, x.model_version);
+  return f(caf::meta::type_name("generate_result"), x.samples, x.model_version, x.stats);
+}
+
+// Teacher forcing with the runtime's fp32 forward (control.proto ScoreRequest): the
+// log-softmax logprob of every token at positions [start, size) of each sequence.
+struct score_request {
+  std::vector<std::vector<std::int32_t>> sequences;
+  std::uint32_t start = 1;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, score_request& x) {
+  return f(caf::meta::type_name("score_request"), x.sequences, x.start);
+}
+
+struct score_result {
+  std::vector<std::vector<float>> logprobs; // per sequence, size - start values
+  std::uint64_t model_version = 0;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, score_result& x) {
+  return f(caf::meta::type_name("score_result"), x.logprobs, x.model_version);
 }
 
 // ------------------------------------------------------------------ sleep / wake

@@ -83,6 +83,7 @@ struct fake_script {
   std::function<void(refit::runtime_description&)> tamper_sleep;
   std::function<void(refit::runtime_description&)> tamper_wake;
   std::function<void(refit::generate_result&)> tamper_generate;
+  std::size_t score_extra = 0; // logprobs added to every scored sequence (a wrong answer)
   std::function<void(std::string&)> tamper_init;
   std::function<void(std::string&)> tamper_start;
   std::function<void(refit::chunk_ack&)> tamper_ack;
@@ -213,6 +214,18 @@ inline fake_proxy_actor::behavior_type fake_proxy(fake_self self,
       if (sc.tamper_generate)
         sc.tamper_generate(res);
       return fake_answer(self, "generate", res);
+    },
+    [=](score_atom, score_request& req) -> caf::result<score_result> {
+      if (auto err = fake_begin(self, "score"))
+        return err;
+      auto& sc = *self->state.script;
+      if (!sc.desc.weights_awake || !sc.desc.kv_cache_awake || !sc.desc.weights_valid)
+        return make_refit_error(errc::runtime_invalid_state, "score", "runtime cannot score");
+      score_result res;
+      res.model_version = sc.desc.model_version;
+      for (const auto& seq : req.sequences)
+        res.logprobs.emplace_back(seq.size() - req.start + sc.score_extra, -0.25f);
+      return fake_answer(self, "score", res);
     },
     [=](sleep_atom, std::uint32_t level) -> caf::result<runtime_description> {
       if (auto err = fake_begin(self, "sleep"))

@@ -123,6 +123,114 @@ TEST(Bench, HelpExplainsEveryOption) {
     EXPECT_NE(r.out.find(opt), std::string::npos) << opt;
 }
 
+// refit-bench generate on the tiny recipe (TP 2, bf16 residents, fp32 CPU forward): every
+// field present, tokens as requested, the decode bytes equal a calculation by hand from the
+// model shape, ratios finite and positive, and the fp32 score reproduces the CPU engine's
+// logprobs exactly. No timing bars.
+TEST(Bench, GenerateReportIsCompleteAndConsistent) {
+  const unsigned prompt = 20, tokens = 6;
+  auto r = run("generate --config " + tiny_config() + " --batch 1,3 --prompt-len "
+               + std::to_string(prompt) + " --max-tokens " + std::to_string(tokens)
+               + " --repeat 2 --bound-bytes 16777216 --bound-reps 2 --seed 9 --json 2>/dev/null");
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  const json j = json::parse(r.out);
+  for (const char* key : {"benchmark", "config", "model_type", "weights", "tp", "devices",
+                          "prompt_len", "max_tokens", "temperature", "seed", "repeat",
+                          "bound_method", "bound_bytes", "bound_seconds_all", "bytes_model",
+                          "batches"})
+    EXPECT_TRUE(j.contains(key)) << key;
+  EXPECT_EQ(j["benchmark"], "generate");
+  EXPECT_EQ(j["weights"], "synthetic");
+  EXPECT_EQ(j["tp"], 2);
+  EXPECT_NE(j["bound_method"].get<std::string>().find("memcpy"), std::string::npos);
+  EXPECT_EQ(j["bound_seconds_all"].size(), 2u * 2u * 2u) << "2 copies after each of 4 requests";
+
+  // By hand, per TP rank (tp 2): 2 layers, hidden 64, 2 of 4 q heads, 1 of 2 KV heads, head_dim
+  // 16, 4 experts of 16 of 32 intermediate rows, 128 of 256 vocab rows, bf16 (2 bytes).
+  const double attention = 2 * ((2 + 2) * 16 * 64 + 64 * 2 * 16) * 2.0;
+  const double norms = (2 * (2 * 16 + 2 * 64) + 64) * 2.0;
+  const double router = 2 * 4 * 64 * 2.0, lm_head = 128 * 64 * 2.0;
+  const double embedding_row = 64 * 2.0, expert = 3 * 16 * 64 * 2.0;
+  const double kv_position = 2 * 2 * 1 * 16 * 4.0; // fp32 KV: layers x (k, v) x head x dim
+  EXPECT_EQ(j["bytes_model"]["fixed_per_step"].get<double>(), attention + norms + router + lm_head);
+  EXPECT_EQ(j["bytes_model"]["per_expert_load"].get<double>(), expert);
+
+  ASSERT_EQ(j["batches"].size(), 2u);
+  for (const auto& b : j["batches"]) {
+    const unsigned batch = b["batch"].get<unsigned>();
+    SCOPED_TRACE("batch " + std::to_string(batch));
+    for (const char* key : {"samples", "generated_tokens", "expected_tokens", "prompt_tokens",
+                            "waves", "decode_steps", "decode_tokens", "prefill_seconds",
+                            "prefill_tok_s", "ttft_seconds", "decode_seconds", "decode_tok_s",
+                            "decode_step_seconds", "request_seconds", "decode_bytes_per_step",
+                            "decode_gbps", "roofline_ratio", "bound_gbps", "expert_loads_source",
+                            "decode_bytes_breakdown", "logprob_gap", "runs"})
+      EXPECT_TRUE(b.contains(key)) << key;
+    EXPECT_EQ(b["generated_tokens"], batch * tokens);
+    EXPECT_EQ(b["expected_tokens"], batch * tokens);
+    EXPECT_TRUE(b["all_finished_by_length"].get<bool>());
+    EXPECT_EQ(b["prompt_tokens"], batch * prompt);
+    EXPECT_EQ(b["computed_prompt_tokens"], batch * prompt) << "the prefix cache is reset";
+    EXPECT_EQ(b["decode_steps"], tokens - 1);
+    EXPECT_EQ(b["decode_tokens"], batch * (tokens - 1));
+    for (const char* key : {"prefill_tok_s", "ttft_seconds", "decode_tok_s", "decode_step_seconds",
+                            "decode_gbps", "roofline_ratio", "bound_gbps"}) {
+      ASSERT_TRUE(b[key].is_number()) << key;
+      EXPECT_TRUE(std::isfinite(b[key].get<double>())) << key;
+      EXPECT_GT(b[key].get<double>(), 0.0) << key;
+    }
+    EXPECT_NE(b["expert_loads_source"].get<std::string>().find("counted"), std::string::npos);
+    ASSERT_EQ(b["runs"].size(), 2u);
+    const double bound = b["bound_gbps"].get<double>();
+    for (const auto& run : b["runs"]) {
+      const double steps = run["decode_steps"].get<double>();
+      ASSERT_EQ(steps, tokens - 1);
+      EXPECT_EQ(run["decode_tokens"].get<double>(), batch * steps);
+      // Step k feeds position prompt + k - 1 of every sample and attends prompt + k positions.
+      double kv = 0;
+      for (unsigned k = 1; k < tokens; ++k)
+        kv += batch * (prompt + k);
+      EXPECT_EQ(run["decode_kv_positions"].get<double>(), kv);
+      const double loads = run["decode_expert_loads"].get<double>() / steps;
+      EXPECT_GE(loads, 2 * 2.0) << "2 layers x top-2";
+      EXPECT_LE(loads, 2 * std::min(4.0, 2.0 * batch));
+      const double want = attention + norms + router + lm_head + batch * embedding_row
+                          + loads * expert + kv / steps * kv_position + batch * kv_position;
+      EXPECT_DOUBLE_EQ(run["decode_bytes_per_step"].get<double>(), want);
+      const double step = run["decode_seconds"].get<double>() / steps;
+      EXPECT_NEAR(run["roofline_ratio"].get<double>(), want / step / 1e9 / bound,
+                  1e-9 * run["roofline_ratio"].get<double>());
+    }
+    const auto& bd = b["decode_bytes_breakdown"];
+    EXPECT_DOUBLE_EQ(bd["total"].get<double>(),
+                     bd["attention"].get<double>() + bd["norms"].get<double>()
+                       + bd["router"].get<double>() + bd["lm_head"].get<double>()
+                       + bd["embedding"].get<double>() + bd["experts"].get<double>()
+                       + bd["kv_read"].get<double>() + bd["kv_write"].get<double>());
+    const auto& gap = b["logprob_gap"];
+    ASSERT_TRUE(gap["compared"].get<bool>());
+    EXPECT_EQ(gap["tokens"], batch * tokens);
+    EXPECT_EQ(gap["max_abs"].get<double>(), 0.0) << "the CPU engine is the fp32 forward";
+    EXPECT_EQ(gap["mean_abs"].get<double>(), 0.0);
+  }
+}
+
+TEST(Bench, GenerateAtAnotherTemperatureSaysWhyTheGapIsNotCompared) {
+  auto r = run("generate --config " + tiny_config()
+               + " --batch 2 --prompt-len 5 --max-tokens 2 --repeat 1 --temperature 0.7 "
+                 "--bound-bytes 1048576 --json 2>/dev/null");
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  const auto gap = json::parse(r.out)["batches"][0]["logprob_gap"];
+  EXPECT_FALSE(gap["compared"].get<bool>());
+  EXPECT_NE(gap["reason"].get<std::string>().find("temperature"), std::string::npos);
+}
+
+TEST(Bench, GenerateRefusesABadBatchList) {
+  auto r = run("generate --config " + tiny_config() + " --batch 1,0 2>&1");
+  EXPECT_EQ(r.exit_code, 2) << r.out;
+  EXPECT_NE(r.out.find("--batch"), std::string::npos) << r.out;
+}
+
 // The streaming copies must equal memcpy for every alignment and size around the thresholds.
 TEST(BulkCopy, MatchesMemcpyForAnyAlignmentAndSize) {
   using refit::publication::bulk_copy;

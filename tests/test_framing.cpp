@@ -839,6 +839,7 @@ const std::vector<command_expectation>& expected_commands() {
     {pb::COMMAND_RESET_PREFIX_CACHE, "reset_prefix_cache", pb::Request::kResetPrefixCache,
      pb::Response::kResetPrefixCache},
     {pb::COMMAND_SHUTDOWN, "shutdown", pb::Request::kShutdown, pb::Response::kShutdown},
+    {pb::COMMAND_SCORE, "score", pb::Request::kScore, pb::Response::kScore},
   };
   return rows;
 }
@@ -949,6 +950,7 @@ void set_result_for(pb::Response& rsp, pb::Command cmd) {
     case pb::COMMAND_RELEASE_IPC: rsp.mutable_release_ipc()->set_buffers_closed(1); break;
     case pb::COMMAND_RESET_PREFIX_CACHE: rsp.mutable_reset_prefix_cache()->set_entries_dropped(9); break;
     case pb::COMMAND_SHUTDOWN: rsp.mutable_shutdown(); break;
+    case pb::COMMAND_SCORE: rsp.mutable_score()->set_model_version(5); break;
     default: FAIL() << "no result for command " << cmd;
   }
 }
@@ -1362,6 +1364,58 @@ TEST(ProtocolConversions, GenerateResultFromProtoStampsModelVersion) {
 
 std::vector<int> tags_of(const pb::WakeUpRequest& w) {
   return std::vector<int>(w.tags().begin(), w.tags().end());
+}
+
+TEST(ProtocolConversions, GenerateStatsAndScoreRoundTrip) {
+  pb::GenerateResult g;
+  auto* st = g.mutable_stats();
+  st->set_prompt_tokens(1);
+  st->set_computed_prompt_tokens(2);
+  st->set_prefix_hit_tokens(3);
+  st->set_generated_tokens(4);
+  st->set_waves(5);
+  st->set_forward_passes(6);
+  st->set_prefill_seconds(0.25);
+  st->set_decode_seconds(0.5);
+  st->set_first_token_seconds(0.125);
+  st->set_decode_steps(7);
+  st->set_decode_tokens(8);
+  st->set_decode_kv_positions(9);
+  st->set_decode_expert_loads(10);
+  st->set_expert_loads_counted(true);
+  st->set_kv_bytes_per_position(11);
+  const auto r = protocol::from_proto(g).stats;
+  EXPECT_EQ(r.prompt_tokens, 1u);
+  EXPECT_EQ(r.computed_prompt_tokens, 2u);
+  EXPECT_EQ(r.prefix_hit_tokens, 3u);
+  EXPECT_EQ(r.generated_tokens, 4u);
+  EXPECT_EQ(r.waves, 5u);
+  EXPECT_EQ(r.forward_passes, 6u);
+  EXPECT_EQ(r.prefill_seconds, 0.25);
+  EXPECT_EQ(r.decode_seconds, 0.5);
+  EXPECT_EQ(r.first_token_seconds, 0.125);
+  EXPECT_EQ(r.decode_steps, 7u);
+  EXPECT_EQ(r.decode_tokens, 8u);
+  EXPECT_EQ(r.decode_kv_positions, 9u);
+  EXPECT_EQ(r.decode_expert_loads, 10u);
+  EXPECT_TRUE(r.expert_loads_counted);
+  EXPECT_EQ(r.kv_bytes_per_position, 11u);
+
+  const refit::score_request req{{{1, 2, 3}, {4, 5}}, 1};
+  const pb::ScoreRequest p = protocol::to_proto(req);
+  ASSERT_EQ(p.sequences_size(), 2);
+  EXPECT_EQ(std::vector<std::int32_t>(p.sequences(0).token_ids().begin(), p.sequences(0).token_ids().end()),
+            req.sequences[0]);
+  EXPECT_EQ(p.start(), 1u);
+  pb::ScoreResult res;
+  res.set_model_version(3);
+  res.add_sequences()->add_logprobs(-0.5f);
+  res.add_sequences();
+  const auto back = protocol::from_proto(res);
+  EXPECT_EQ(back.model_version, 3u);
+  ASSERT_EQ(back.logprobs.size(), 2u);
+  EXPECT_EQ(back.logprobs[0], std::vector<float>{-0.5f});
+  EXPECT_TRUE(back.logprobs[1].empty());
 }
 
 TEST(ProtocolConversions, WakeTags) {

@@ -98,6 +98,9 @@ protected:
   std::shared_ptr<reply<generate_result>> generate(generate_request req = gen_req()) {
     return ask<generate_result>(engine, generate_atom::value, std::move(req));
   }
+  std::shared_ptr<reply<score_result>> score(score_request req) {
+    return ask<score_result>(engine, score_atom::value, std::move(req));
+  }
   std::shared_ptr<reply<engine_status>> sleep(std::uint32_t level) {
     return ask<engine_status>(engine, sleep_atom::value, level);
   }
@@ -465,6 +468,39 @@ TEST_F(engine_test, GenerateWhileUpdateOpenIsRefused) {
   EXPECT_EQ(script->count("generate"), 0u);
   expect_not_poisoned();
   EXPECT_TRUE(status().update_open);
+}
+
+// Scoring goes through the same refusals as generation; its answer is validated.
+TEST_F(engine_test, ScoreIsForwardedRefusedLikeGenerateAndValidated) {
+  attach();
+  const score_request req{{{1, 2, 3, 4}, {5, 6, 7}}, 2};
+  auto ok = score(req);
+  ASSERT_TRUE(ok->ok()) << render(ok->error);
+  ASSERT_EQ(ok->value.logprobs.size(), 2u);
+  EXPECT_EQ(ok->value.logprobs[0].size(), 2u);
+  EXPECT_EQ(ok->value.logprobs[1].size(), 1u);
+  EXPECT_EQ(script->count("score"), 1u);
+
+  EXPECT_REFIT_ERROR(score({{}, 1})->error, errc::invalid_argument, "score.sequences");
+  EXPECT_REFIT_ERROR(score({{{1, 2}}, 0})->error, errc::invalid_argument, "score.start");
+  EXPECT_REFIT_ERROR(score({{{1, 2}, {3, 4}}, 2})->error, errc::invalid_argument,
+                     "score.sequences[0]");
+  EXPECT_EQ(script->count("score"), 1u) << "refused before the runtime";
+
+  ASSERT_TRUE(sleep(1)->ok());
+  EXPECT_REFIT_ERROR(score(req)->error, errc::asleep, "score");
+  ASSERT_TRUE(wake()->ok());
+  open_update(header(1));
+  EXPECT_REFIT_ERROR(score(req)->error, errc::update_open, "score");
+  EXPECT_EQ(script->count("score"), 1u);
+  expect_not_poisoned();
+}
+
+TEST_F(engine_test, ScoreResultOfTheWrongLengthIsPoisoned) {
+  attach(1, [](fake_script& sc) { sc.score_extra = 1; }); // one logprob too many
+  auto r = score({{{1, 2, 3}}, 1});
+  EXPECT_REFIT_ERROR(r->error, errc::validation_failed, "score.sequences[0]");
+  expect_poisoned("score.sequences[0]");
 }
 
 TEST_F(engine_test, GenerateAfterSleepTwoAndWakeAllNeedsPublication) {

@@ -1583,6 +1583,16 @@ pb::Response generate(runtime_child& child, const std::vector<std::vector<std::i
   return child.call(req);
 }
 
+pb::Response score(runtime_child& child, const std::vector<std::vector<std::int32_t>>& sequences,
+                   std::uint32_t start) {
+  auto req = child.request(pb::COMMAND_SCORE);
+  auto* sc = req.mutable_score();
+  for (const auto& seq : sequences)
+    sc->add_sequences()->mutable_token_ids()->Add(seq.begin(), seq.end());
+  sc->set_start(start);
+  return child.call(req);
+}
+
 std::vector<std::int32_t> ids(const google::protobuf::RepeatedField<std::int32_t>& r) {
   return {r.begin(), r.end()};
 }
@@ -1750,10 +1760,15 @@ TEST(Generation, RefusedWhileAsleepWithInvalidWeightsOrDuringAnUpdate) {
   const auto p = sampling(0.0f, 4);
   ASSERT_TRUE(require_ok(generate(child, prompt, p)).ok());
 
+  // Scoring is refused exactly when generation is.
+  const std::vector<std::vector<std::int32_t>> scored = {prompt_tokens(8)};
+  ASSERT_TRUE(require_ok(score(child, scored, 5)).ok());
+
   ASSERT_TRUE(child.sleep(1).ok());
   auto rsp = generate(child, prompt, p);
   expect_error(rsp, pb::ERROR_CODE_INVALID_STATE, "generate");
   EXPECT_NE(rsp.error().message().find("resident weights"), std::string::npos);
+  expect_error(score(child, scored, 5), pb::ERROR_CODE_INVALID_STATE, "score");
   ASSERT_TRUE(child.wake_up({pb::WAKE_TAG_WEIGHTS}).ok());
   rsp = generate(child, prompt, p);
   expect_error(rsp, pb::ERROR_CODE_INVALID_STATE, "generate");
@@ -1776,6 +1791,11 @@ TEST(Generation, RefusedWhileAsleepWithInvalidWeightsOrDuringAnUpdate) {
   expect_error(rsp, pb::ERROR_CODE_INVALID_STATE, "generate");
   EXPECT_NE(rsp.error().message().find("publication 'pub-generate' is open"), std::string::npos)
     << rsp.error().message();
+  rsp = score(child, scored, 5);
+  expect_error(rsp, pb::ERROR_CODE_INVALID_STATE, "score");
+  EXPECT_NE(rsp.error().message().find("cannot score while publication 'pub-generate' is open"),
+            std::string::npos)
+    << rsp.error().message();
   for (std::size_t k = 1; k < chunks.size(); ++k)
     ASSERT_TRUE(require_ok(update_weights(child, chunk(k))).ok());
   ASSERT_TRUE(require_ok(finish_update(child, "pub-generate", 1)).ok());
@@ -1791,6 +1811,105 @@ TEST(Generation, RefusedWhileAsleepWithInvalidWeightsOrDuringAnUpdate) {
   rsp = generate(child, prompt, p);
   expect_error(rsp, pb::ERROR_CODE_INVALID_STATE, "generate");
   EXPECT_NE(rsp.error().message().find("not valid"), std::string::npos) << rsp.error().message();
+  expect_error(score(child, scored, 5), pb::ERROR_CODE_INVALID_STATE, "score");
+}
+
+// ---------------------------------------------------------------- score and generation stats
+
+class ScoreTest : public ::testing::TestWithParam<std::uint32_t> {};
+
+// The SCORE command's fp32 teacher forcing reproduces the CPU engine's generated logprobs bit
+// for bit (temperature 1 or 0, no filters: plain log-softmax), agrees with the unsharded
+// reference forward, and the generation stats count what the decode steps did.
+TEST_P(ScoreTest, ReproducesTheGeneratedLogprobsExactlyAndStatsCountTheDecodeSteps) {
+  const std::uint32_t tp = GetParam();
+  runtime_child child(args_for(tp));
+  const auto& cfg = tiny_config();
+  const std::uint32_t len = 13, max_tokens = 9;
+  const std::vector<std::vector<std::int32_t>> prompts = {
+    prompt_tokens(len, 1), prompt_tokens(len, 2), prompt_tokens(len, 3)};
+  for (const float temperature : {1.0f, 0.0f}) {
+    SCOPED_TRACE("temperature " + std::to_string(temperature));
+    ASSERT_TRUE(require_ok(child.call(child.request(pb::COMMAND_RESET_PREFIX_CACHE))).ok());
+    const auto gen = require_ok(generate(child, prompts, sampling(temperature, max_tokens, 1, 0, 1.0f, 5)))
+                       .generate();
+    ASSERT_EQ(gen.samples_size(), 3);
+    std::vector<std::vector<std::int32_t>> sequences;
+    std::vector<inf::scored_sequence> ref_input;
+    for (const auto& s : gen.samples()) {
+      auto seq = ids(s.prompt_token_ids());
+      const auto out = ids(s.token_ids());
+      ASSERT_EQ(out.size(), max_tokens);
+      ref_input.push_back({seq, out});
+      seq.insert(seq.end(), out.begin(), out.end());
+      sequences.push_back(seq);
+    }
+    const auto scored = require_ok(score(child, sequences, len)).score();
+    EXPECT_EQ(scored.model_version(), 0u);
+    ASSERT_EQ(scored.sequences_size(), 3);
+    const auto ref = inf::reference_logprobs(cfg, tp1_residents(checkpoint_canonical()).pointers(),
+                                             ref_input, sampling(1.0f, max_tokens));
+    for (int i = 0; i < 3; ++i) {
+      const auto got = floats(scored.sequences(i).logprobs());
+      EXPECT_EQ(got, floats(gen.samples(i).logprobs())) << "sequence " << i << ": bitwise";
+      ASSERT_EQ(got.size(), ref[static_cast<std::size_t>(i)].size());
+      for (std::size_t t = 0; t < got.size(); ++t)
+        EXPECT_NEAR(got[t], ref[static_cast<std::size_t>(i)][t], inf::parity_tolerance);
+    }
+
+    const auto& st = gen.stats();
+    EXPECT_EQ(st.prompt_tokens(), 3u * len);
+    EXPECT_EQ(st.computed_prompt_tokens(), 3u * len);
+    EXPECT_EQ(st.generated_tokens(), 3u * max_tokens);
+    EXPECT_EQ(st.waves(), 1u);
+    EXPECT_EQ(st.decode_steps(), max_tokens - 1);
+    EXPECT_EQ(st.decode_tokens(), 3u * (max_tokens - 1));
+    // Step k (1-based) feeds position len + k - 1 and attends len + k positions.
+    std::uint64_t positions = 0;
+    for (std::uint32_t k = 1; k < max_tokens; ++k)
+      positions += 3 * (len + k);
+    EXPECT_EQ(st.decode_kv_positions(), positions);
+    EXPECT_TRUE(st.expert_loads_counted());
+    const std::uint64_t per_layer_min = cfg.num_experts_per_tok;
+    const std::uint64_t per_layer_max = std::min<std::uint64_t>(cfg.num_experts, 3 * cfg.num_experts_per_tok);
+    EXPECT_GE(st.decode_expert_loads(), st.decode_steps() * cfg.num_hidden_layers * per_layer_min);
+    EXPECT_LE(st.decode_expert_loads(), st.decode_steps() * cfg.num_hidden_layers * per_layer_max);
+    const std::uint64_t kv_heads = std::max<std::uint32_t>(1, cfg.num_key_value_heads / tp);
+    EXPECT_EQ(st.kv_bytes_per_position(), std::uint64_t{cfg.num_hidden_layers} * 2 * kv_heads * cfg.head_dim * 4);
+    EXPECT_GT(st.prefill_seconds(), 0.0);
+    EXPECT_GT(st.decode_seconds(), 0.0);
+    EXPECT_GT(st.first_token_seconds(), 0.0);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Tp, ScoreTest, ::testing::Values(1u, 2u),
+                         [](const auto& info) { return "tp" + std::to_string(info.param); });
+
+TEST(Score, BadRequestsNameTheFieldAndTheRuntimeKeepsServing) {
+  runtime_child child(args_for(2));
+  const auto seq = prompt_tokens(12);
+  expect_error(score(child, {}, 1), pb::ERROR_CODE_INVALID_ARGUMENT, "score.sequences");
+  expect_error(score(child, {seq}, 0), pb::ERROR_CODE_INVALID_ARGUMENT, "score.start");
+  auto rsp = score(child, {seq, prompt_tokens(5)}, 5);
+  expect_error(rsp, pb::ERROR_CODE_INVALID_ARGUMENT, "score.sequences[1].token_ids");
+  EXPECT_NE(rsp.error().message().find("leaves none to score"), std::string::npos)
+    << rsp.error().message();
+  auto bad = seq;
+  bad[3] = 256;
+  rsp = score(child, {seq, bad}, 4);
+  expect_error(rsp, pb::ERROR_CODE_INVALID_ARGUMENT, "score.sequences[1].token_ids[3]");
+  EXPECT_NE(rsp.error().message().find("outside the vocabulary"), std::string::npos);
+  bad[3] = -1;
+  expect_error(score(child, {bad}, 4), pb::ERROR_CODE_INVALID_ARGUMENT,
+               "score.sequences[0].token_ids[3]");
+  rsp = score(child, {prompt_tokens(20000)}, 4);
+  expect_error(rsp, pb::ERROR_CODE_INVALID_ARGUMENT, "score.sequences[0].token_ids");
+  EXPECT_NE(rsp.error().message().find("KV blocks"), std::string::npos) << rsp.error().message();
+  const auto ok = require_ok(score(child, {seq}, 4)).score();
+  ASSERT_EQ(ok.sequences_size(), 1);
+  EXPECT_EQ(ok.sequences(0).logprobs_size(), 8);
+  for (float lp : ok.sequences(0).logprobs())
+    EXPECT_LT(lp, 0.0f);
 }
 
 // Redirects this process's stderr into a temporary file while a child is spawned, so the

@@ -148,49 +148,37 @@ pb::ResetPrefixCacheResult server::reset_prefix_cache() {
   return result;
 }
 
-pb::GenerateResult server::generate(const pb::GenerateRequest& request) {
+void server::require_generation_state(const std::string& command) {
   if (const pb::PublicationHeader* open = transfer_.open_publication())
-    throw command_error(pb::ERROR_CODE_INVALID_STATE, "generate",
-                        "cannot generate while publication '" + open->publication_id()
+    throw command_error(pb::ERROR_CODE_INVALID_STATE, command,
+                        "cannot " + command + " while publication '" + open->publication_id()
                           + "' is open (its weights are being written); finish_weight_update "
                             "first");
   for (const auto& r : worker_reports()) {
     if (!r.weights_resident)
-      throw command_error(pb::ERROR_CODE_INVALID_STATE, "generate",
-                          "generate needs resident weights, but TP worker " + std::to_string(r.rank)
+      throw command_error(pb::ERROR_CODE_INVALID_STATE, command,
+                          command + " needs resident weights, but TP worker " + std::to_string(r.rank)
                             + " has none (sleep level " + std::to_string(sleep_level_)
                             + "); wake_up the weights first");
     if (!r.kv_cache_resident)
-      throw command_error(pb::ERROR_CODE_INVALID_STATE, "generate",
-                          "generate needs the KV cache, but TP worker " + std::to_string(r.rank)
+      throw command_error(pb::ERROR_CODE_INVALID_STATE, command,
+                          command + " needs the KV cache, but TP worker " + std::to_string(r.rank)
                             + " has none (sleep level " + std::to_string(sleep_level_)
                             + "); wake_up the KV cache first");
   }
   if (!weights_valid_)
-    throw command_error(pb::ERROR_CODE_INVALID_STATE, "generate",
+    throw command_error(pb::ERROR_CODE_INVALID_STATE, command,
                         "the resident weights are not valid (dropped by sleep level 2 or left "
                         "half-written by a publication); publish weights first");
+}
 
-  const inference::generate_input input = to_input(request);
-  const inference::engine_options options = generation_options(options_);
-  try {
-    inference::plan_request(options_.model,
-                            inference::engine_kv_geometry(options_.model, layout_->tp(), options),
-                            options_.kv_cache_bytes, input);
-  } catch (const inference::request_error& e) {
-    throw command_error(pb::ERROR_CODE_INVALID_ARGUMENT, "generate." + e.where, e.what());
-  }
-
-  const auto start = std::chrono::steady_clock::now();
-  const std::size_t tp = workers_.size();
-  std::vector<std::vector<inference::generation>> results(tp);
-  std::vector<inference::generate_stats> stats(tp);
+void server::run_on_workers(const std::string& command, const std::function<void(worker&)>& fn,
+                            const std::function<void()>& on_failure) {
   std::vector<std::future<void>> done;
   for (const auto& w : workers_)
     done.push_back(w->post([&](worker& self) {
       try {
-        results[self.rank()] = self.generate(options_.model, options, *comm_, input,
-                                             model_version_, &stats[self.rank()]);
+        fn(self);
       } catch (const std::exception& e) {
         comm_->abort("TP worker " + std::to_string(self.rank()) + " failed: " + e.what());
         throw;
@@ -222,30 +210,56 @@ pb::GenerateResult server::generate(const pb::GenerateRequest& request) {
     }
   }
   comm_->reset();
-
-  std::string mismatch;
-  std::uint32_t mismatch_rank = 0;
-  for (std::uint32_t rank = 1; !cause && rank < tp && mismatch.empty(); ++rank) {
-    mismatch = first_difference(results[0], results[rank]);
-    mismatch_rank = rank;
+  if (!cause)
+    return;
+  if (on_failure)
+    on_failure();
+  try {
+    std::rethrow_exception(cause);
+  } catch (const inference::request_error& e) {
+    throw command_error(pb::ERROR_CODE_INVALID_ARGUMENT, command + "." + e.where, e.what());
+  } catch (const command_error&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw worker_failure(cause_rank, e.what());
+  } catch (...) {
+    throw worker_failure(cause_rank, "unknown exception");
   }
-  if (cause || !mismatch.empty()) {
-    // Ranks may have stopped at different points: keep their prefix caches identical.
-    reset_prefix_cache();
-    if (!mismatch.empty())
-      throw command_error(pb::ERROR_CODE_INTERNAL, "worker[" + std::to_string(mismatch_rank) + "]",
-                          "TP worker " + std::to_string(mismatch_rank)
+}
+
+pb::GenerateResult server::generate(const pb::GenerateRequest& request) {
+  require_generation_state("generate");
+
+  const inference::generate_input input = to_input(request);
+  const inference::engine_options options = generation_options(options_);
+  try {
+    inference::plan_request(options_.model,
+                            inference::engine_kv_geometry(options_.model, layout_->tp(), options),
+                            options_.kv_cache_bytes, input);
+  } catch (const inference::request_error& e) {
+    throw command_error(pb::ERROR_CODE_INVALID_ARGUMENT, "generate." + e.where, e.what());
+  }
+
+  const auto start = std::chrono::steady_clock::now();
+  const std::size_t tp = workers_.size();
+  std::vector<std::vector<inference::generation>> results(tp);
+  std::vector<inference::generate_stats> stats(tp);
+  // Ranks may have stopped at different points: keep their prefix caches identical.
+  run_on_workers(
+    "generate",
+    [&](worker& self) {
+      results[self.rank()] = self.generate(options_.model, options, *comm_, input, model_version_,
+                                           &stats[self.rank()]);
+    },
+    [this] { reset_prefix_cache(); });
+
+  for (std::uint32_t rank = 1; rank < tp; ++rank) {
+    const std::string mismatch = first_difference(results[0], results[rank]);
+    if (!mismatch.empty()) {
+      reset_prefix_cache();
+      throw command_error(pb::ERROR_CODE_INTERNAL, "worker[" + std::to_string(rank) + "]",
+                          "TP worker " + std::to_string(rank)
                             + " generated other samples than TP worker 0: " + mismatch);
-    try {
-      std::rethrow_exception(cause);
-    } catch (const inference::request_error& e) {
-      throw command_error(pb::ERROR_CODE_INVALID_ARGUMENT, "generate." + e.where, e.what());
-    } catch (const command_error&) {
-      throw;
-    } catch (const std::exception& e) {
-      throw worker_failure(cause_rank, e.what());
-    } catch (...) {
-      throw worker_failure(cause_rank, "unknown exception");
     }
   }
 
@@ -261,6 +275,7 @@ pb::GenerateResult server::generate(const pb::GenerateRequest& request) {
     sample->set_prompt_truncated(g.prompt_truncated);
   }
   const auto& st = stats[0];
+  *result.mutable_stats() = to_proto(st);
   const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
                     std::chrono::steady_clock::now() - start)
                     .count();
@@ -272,6 +287,49 @@ pb::GenerateResult server::generate(const pb::GenerateRequest& request) {
            + " generated_tokens=" + std::to_string(st.generated_tokens)
            + " waves=" + std::to_string(st.waves)
            + " stale_entries_dropped=" + std::to_string(st.stale_entries_dropped)
+           + " ms=" + std::to_string(ms));
+  return result;
+}
+
+pb::ScoreResult server::score(const pb::ScoreRequest& request) {
+  require_generation_state("score");
+  std::vector<std::vector<std::int32_t>> sequences;
+  for (const auto& seq : request.sequences())
+    sequences.emplace_back(seq.token_ids().begin(), seq.token_ids().end());
+  const inference::engine_options options = generation_options(options_);
+  try {
+    inference::plan_score(options_.model,
+                          inference::score_kv_geometry(options_.model, layout_->tp(), options),
+                          options_.kv_cache_bytes, sequences, request.start());
+  } catch (const inference::request_error& e) {
+    throw command_error(pb::ERROR_CODE_INVALID_ARGUMENT, "score." + e.where, e.what());
+  }
+  const auto start = std::chrono::steady_clock::now();
+  const std::size_t tp = workers_.size();
+  std::vector<std::vector<std::vector<float>>> results(tp);
+  run_on_workers(
+    "score",
+    [&](worker& self) {
+      results[self.rank()] = self.score(options_.model, options, *comm_, sequences, request.start());
+    },
+    {});
+  for (std::uint32_t rank = 1; rank < tp; ++rank)
+    if (results[rank] != results[0])
+      throw command_error(pb::ERROR_CODE_INTERNAL, "worker[" + std::to_string(rank) + "]",
+                          "TP worker " + std::to_string(rank)
+                            + " scored other logprobs than TP worker 0");
+  pb::ScoreResult result;
+  result.set_model_version(model_version_);
+  std::uint64_t tokens = 0;
+  for (const auto& lp : results[0]) {
+    result.add_sequences()->mutable_logprobs()->Add(lp.begin(), lp.end());
+    tokens += lp.size();
+  }
+  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                    std::chrono::steady_clock::now() - start)
+                    .count();
+  log_line("score: model_version=" + std::to_string(model_version_) + " sequences="
+           + std::to_string(sequences.size()) + " scored_tokens=" + std::to_string(tokens)
            + " ms=" + std::to_string(ms));
   return result;
 }

@@ -244,6 +244,7 @@ pb::Response server::execute(const pb::Request& request) {
         *response.mutable_release_ipc() = transfer_.release(request.release_ipc());
         break;
       case pb::COMMAND_GENERATE: *response.mutable_generate() = generate(request.generate()); break;
+      case pb::COMMAND_SCORE: *response.mutable_score() = score(request.score()); break;
       default:
         throw command_error(pb::ERROR_CODE_MALFORMED, "command",
                             "unknown command " + std::to_string(command));

@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -119,6 +120,18 @@ private:
   // samples and answers rank 0's. Refused while the weights or the KV cache sleep, while the
   // weights are invalid and while a publication is open.
   pb::GenerateResult generate(const pb::GenerateRequest& request);
+  // Teacher-forced fp32 logprobs of the request's sequences (inference::engine::score) on
+  // every TP worker; refused exactly when generate is.
+  pb::ScoreResult score(const pb::ScoreRequest& request);
+  // The refusals generate and score share: an open publication, weights or KV cache not
+  // resident, weights not valid (INVALID_STATE at `command`).
+  void require_generation_state(const std::string& command);
+  // Runs fn on every TP worker at once (SPMD over comm_) and waits for all of them. A failing
+  // worker aborts the comm so the others throw instead of hanging; the comm is reset. The
+  // first failure that is not such a consequence is rethrown (after on_failure) as a
+  // command_error: a request_error as INVALID_ARGUMENT at `command.<where>`.
+  void run_on_workers(const std::string& command, const std::function<void(worker&)>& fn,
+                      const std::function<void()>& on_failure);
   pb::InitWeightTransferResult init_weight_transfer(const pb::InitWeightTransferRequest& request);
   // A started publication makes the weights invalid until it finishes.
   pb::StartWeightUpdateResult start_weight_update(const pb::StartWeightUpdateRequest& request);

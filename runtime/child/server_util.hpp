@@ -50,6 +50,26 @@ inline inference::generate_input to_input(const pb::GenerateRequest& request) {
   return in;
 }
 
+inline pb::GenerateStats to_proto(const inference::generate_stats& st) {
+  pb::GenerateStats out;
+  out.set_prompt_tokens(st.prompt_tokens);
+  out.set_computed_prompt_tokens(st.computed_prompt_tokens);
+  out.set_prefix_hit_tokens(st.prefix_hit_tokens);
+  out.set_generated_tokens(st.generated_tokens);
+  out.set_waves(st.waves);
+  out.set_forward_passes(st.forward_passes);
+  out.set_prefill_seconds(st.prefill_seconds);
+  out.set_decode_seconds(st.decode_seconds);
+  out.set_first_token_seconds(st.first_token_seconds);
+  out.set_decode_steps(st.decode_steps);
+  out.set_decode_tokens(st.decode_tokens);
+  out.set_decode_kv_positions(st.decode_kv_positions);
+  out.set_decode_expert_loads(st.decode_expert_loads);
+  out.set_expert_loads_counted(st.expert_loads_counted);
+  out.set_kv_bytes_per_position(st.kv_bytes_per_position);
+  return out;
+}
+
 // Where two ranks' samples first differ ("" when identical).
 inline std::string first_difference(const std::vector<inference::generation>& a,
                              const std::vector<inference::generation>& b) {

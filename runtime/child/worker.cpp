@@ -140,16 +140,13 @@ void worker::free_kv_cache() {
   kv_cache_.reset();
 }
 
-std::vector<inference::generation> worker::generate(const model::model_config& cfg,
-                                                    const inference::engine_options& options,
-                                                    inference::tp_comm& comm,
-                                                    const inference::generate_input& input,
-                                                    std::uint64_t weights_version,
-                                                    inference::generate_stats* stats) {
-  require_weights_resident("generate");
+inference::engine& worker::generation_engine(const model::model_config& cfg,
+                                            const inference::engine_options& options,
+                                            const std::string& action) {
+  require_weights_resident(action);
   if (!kv_cache_)
-    throw std::logic_error("worker " + std::to_string(rank_)
-                           + ": cannot generate without a KV cache");
+    throw std::logic_error("worker " + std::to_string(rank_) + ": cannot " + action
+                           + " without a KV cache");
   if (!engine_) {
     inference::engine_options o = options;
     if (memory_->device().k == device::kind::cuda) {
@@ -163,8 +160,28 @@ std::vector<inference::generation> worker::generate(const model::model_config& c
     engine_ = std::make_unique<inference::engine>(cfg, layout_, rank_, kv_cache_.data(),
                                                   kv_cache_.size(), o);
   }
+  return *engine_;
+}
+
+std::vector<inference::generation> worker::generate(const model::model_config& cfg,
+                                                    const inference::engine_options& options,
+                                                    inference::tp_comm& comm,
+                                                    const inference::generate_input& input,
+                                                    std::uint64_t weights_version,
+                                                    inference::generate_stats* stats) {
+  inference::engine& e = generation_engine(cfg, options, "generate");
   const std::vector<const std::byte*> residents(resident_ptrs_.begin(), resident_ptrs_.end());
-  return engine_->generate(residents, comm, input, weights_version, stats);
+  return e.generate(residents, comm, input, weights_version, stats);
+}
+
+std::vector<std::vector<float>> worker::score(const model::model_config& cfg,
+                                              const inference::engine_options& options,
+                                              inference::tp_comm& comm,
+                                              const std::vector<std::vector<std::int32_t>>& sequences,
+                                              std::uint32_t start) {
+  inference::engine& e = generation_engine(cfg, options, "score");
+  const std::vector<const std::byte*> residents(resident_ptrs_.begin(), resident_ptrs_.end());
+  return e.score(residents, comm, sequences, start);
 }
 
 std::uint64_t worker::reset_prefix_cache() {

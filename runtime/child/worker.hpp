@@ -98,6 +98,13 @@ public:
                                               const inference::generate_input& input,
                                               std::uint64_t weights_version,
                                               inference::generate_stats* stats);
+  // This rank's part of a score request (inference::engine::score, the fp32 reference
+  // forward; every worker at once over `comm`). Same needs as generate.
+  std::vector<std::vector<float>> score(const model::model_config& cfg,
+                                        const inference::engine_options& options,
+                                        inference::tp_comm& comm,
+                                        const std::vector<std::vector<std::int32_t>>& sequences,
+                                        std::uint32_t start);
   // Drops the prefix cache; returns the entries dropped (0 without a KV cache).
   std::uint64_t reset_prefix_cache();
 
@@ -120,6 +127,10 @@ private:
   void run();
   void release_memory();
   void require_weights_resident(const std::string& action) const;
+  // The engine over the KV cache (created on first use); needs resident weights and KV.
+  inference::engine& generation_engine(const model::model_config& cfg,
+                                       const inference::engine_options& options,
+                                       const std::string& action);
 
   const std::uint32_t rank_;
   const int device_index_;

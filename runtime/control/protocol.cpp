@@ -15,7 +15,7 @@ struct command_row {
 };
 
 // One row per command: the single source of truth for names and oneof cases.
-constexpr std::array<command_row, 11> command_table{{
+constexpr std::array<command_row, 12> command_table{{
   {pb::COMMAND_DESCRIBE, "describe", pb::Request::kDescribe, pb::Response::kDescribe},
   {pb::COMMAND_GENERATE, "generate", pb::Request::kGenerate, pb::Response::kGenerate},
   {pb::COMMAND_SLEEP, "sleep", pb::Request::kSleep, pb::Response::kSleep},
@@ -32,6 +32,7 @@ constexpr std::array<command_row, 11> command_table{{
   {pb::COMMAND_RESET_PREFIX_CACHE, "reset_prefix_cache", pb::Request::kResetPrefixCache,
    pb::Response::kResetPrefixCache},
   {pb::COMMAND_SHUTDOWN, "shutdown", pb::Request::kShutdown, pb::Response::kShutdown},
+  {pb::COMMAND_SCORE, "score", pb::Request::kScore, pb::Response::kScore},
 }};
 
 const command_row* find_row(pb::Command cmd) {
@@ -171,6 +172,39 @@ generate_result from_proto(const pb::GenerateResult& x) {
     o.model_version = x.model_version();
     out.samples.push_back(std::move(o));
   }
+  const pb::GenerateStats& st = x.stats();
+  generation_stats& g = out.stats;
+  g.prompt_tokens = st.prompt_tokens();
+  g.computed_prompt_tokens = st.computed_prompt_tokens();
+  g.prefix_hit_tokens = st.prefix_hit_tokens();
+  g.generated_tokens = st.generated_tokens();
+  g.waves = st.waves();
+  g.forward_passes = st.forward_passes();
+  g.prefill_seconds = st.prefill_seconds();
+  g.decode_seconds = st.decode_seconds();
+  g.first_token_seconds = st.first_token_seconds();
+  g.decode_steps = st.decode_steps();
+  g.decode_tokens = st.decode_tokens();
+  g.decode_kv_positions = st.decode_kv_positions();
+  g.decode_expert_loads = st.decode_expert_loads();
+  g.expert_loads_counted = st.expert_loads_counted();
+  g.kv_bytes_per_position = st.kv_bytes_per_position();
+  return out;
+}
+
+pb::ScoreRequest to_proto(const score_request& x) {
+  pb::ScoreRequest out;
+  for (const auto& seq : x.sequences)
+    out.add_sequences()->mutable_token_ids()->Add(seq.begin(), seq.end());
+  out.set_start(x.start);
+  return out;
+}
+
+score_result from_proto(const pb::ScoreResult& x) {
+  score_result out;
+  out.model_version = x.model_version();
+  for (const auto& s : x.sequences())
+    out.logprobs.emplace_back(s.logprobs().begin(), s.logprobs().end());
   return out;
 }
 

@@ -42,6 +42,8 @@ std::optional<violation> validate_response(const pb::Response& rsp, std::uint64_
 runtime_description from_proto(const pb::DescribeResult& x);
 pb::GenerateRequest to_proto(const generate_request& x);
 generate_result from_proto(const pb::GenerateResult& x);
+pb::ScoreRequest to_proto(const score_request& x);
+score_result from_proto(const pb::ScoreResult& x);
 pb::WakeUpRequest to_proto(const wake_tags& x);
 pb::InitWeightTransferRequest to_proto(const transfer_init& x);
 pb::PublicationHeader to_proto(const publication_header& x);

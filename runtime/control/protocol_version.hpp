@@ -6,7 +6,8 @@
 
 namespace refit::wire {
 
-inline constexpr std::uint32_t protocol_version = 2; // 2: header.producer_pids
+inline constexpr std::uint32_t protocol_version = 3; // 2: header.producer_pids
+                                                     // 3: GenerateResult.stats, SCORE
 
 // Version of the refit wire protocol between trainer processes and the coordinator (the
 // join handshake and every message of messages/net_types.hpp that crosses CAF's network
@@ -16,6 +17,7 @@ inline constexpr std::uint32_t protocol_version = 2; // 2: header.producer_pids
 // 3: rank_info.weight_source, publication_spec.tp / verify, rank_report.digest_terms
 //    (registered tensors); the registry's generate / sleep / wake.
 // 4: the registry's collective_id (NCCL unique ids of trainer processes on GPUs).
-inline constexpr std::uint32_t serve_protocol_version = 4;
+// 5: generate_result.stats.
+inline constexpr std::uint32_t serve_protocol_version = 5;
 
 } // namespace refit::wire

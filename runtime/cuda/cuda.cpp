@@ -568,4 +568,27 @@ double allgather_seconds(const std::vector<int>& ordinals, std::uint64_t total_o
          / static_cast<double>(per_call * std::uint64_t{calls});
 }
 
+std::vector<double> device_copy_seconds(int ordinal, std::uint64_t bytes, unsigned reps) {
+  if (bytes == 0 || reps == 0)
+    throw error("device_copy_seconds: needs bytes and at least one repetition");
+  device_allocation src(ordinal, bytes, "the copy bound's source");
+  device_allocation dst(ordinal, bytes, "the copy bound's destination");
+  stream s(ordinal);
+  auto copy = [&] {
+    REFIT_CUDA_CALL(cudaMemcpyAsync(dst.data(), src.data(), bytes, cudaMemcpyDeviceToDevice,
+                                    static_cast<cudaStream_t>(s.native())),
+                    ordinal, "the copy bound");
+  };
+  copy(); // warm-up
+  s.synchronize();
+  std::vector<double> out;
+  for (unsigned r = 0; r < reps; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    copy();
+    s.synchronize();
+    out.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  return out;
+}
+
 } // namespace refit::cuda

@@ -185,4 +185,9 @@ std::vector<std::vector<std::uint64_t>> expected_resident_digests(
 double allgather_seconds(const std::vector<int>& ordinals, std::uint64_t total_out_bytes,
                          std::uint32_t calls);
 
+// Seconds of each of `reps` device-to-device copies of `bytes` between two buffers on
+// `ordinal` (cudaMemcpyAsync on one stream, timed one copy at a time on the host after one
+// warm-up copy). A copy reads and writes `bytes` each.
+std::vector<double> device_copy_seconds(int ordinal, std::uint64_t bytes, unsigned reps);
+
 } // namespace refit::cuda

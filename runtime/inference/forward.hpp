@@ -115,7 +115,8 @@ struct rank_forward_options {
   // go through host memory. -1: CPU.
   int cuda_device = -1;
   // float32: the reference path (KV fp32). bfloat16: the bf16 engine (KV bf16; the residents
-  // must be bf16).
+  // must be bf16). Paths that need the fp32 reference (the runtime's SCORE command) set float32
+  // explicitly.
   model::dtype compute_dtype = model::dtype::float32;
   // bf16 engine on a GPU at tp 1: replay decode steps from CUDA graphs.
   bool cuda_graphs = true;
@@ -140,6 +141,7 @@ struct forward_counters {
   std::uint64_t expert_loads = 0;        // sum over forwards and layers of distinct routed experts
   std::uint64_t decode_expert_loads = 0; // the same over decode forwards (one token per item)
   std::uint64_t peak_workspace_bytes = 0; // device memory the engine allocated beyond weights/KV
+  bool counts_experts = false;            // the expert_loads fields are counted
 };
 
 class rank_forward {

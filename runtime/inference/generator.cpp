@@ -1,6 +1,7 @@
 #include "runtime/inference/generator.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -117,6 +118,16 @@ kv_geometry engine_kv_geometry(const model::model_config& cfg, std::uint32_t tp,
   return kv_geometry::of(cfg, tp, options.block_size, element);
 }
 
+kv_geometry score_kv_geometry(const model::model_config& cfg, std::uint32_t tp,
+                              const engine_options& options) {
+  if (options.compute_dtype != model::dtype::bfloat16)
+    return kv_geometry::of(cfg, tp, options.block_size, 4);
+  if (options.block_size % 2 != 0)
+    throw std::invalid_argument("engine: the bf16 engine needs an even block_size (scoring "
+                                "reuses each block as an fp32 block of half the positions)");
+  return kv_geometry::of(cfg, tp, options.block_size / 2, 4);
+}
+
 engine::engine(const model::model_config& cfg, std::shared_ptr<const model::tp_layout> layout,
                std::uint32_t rank, std::byte* kv_arena, std::uint64_t kv_bytes,
                engine_options options)
@@ -200,6 +211,38 @@ struct live_set {
   std::vector<sequence> prefilling;  // the prompts of the current admission round
 };
 
+// The phase timings and traffic counters of generate_stats, kept out of the loop's logic.
+class phase_meter {
+public:
+  using clock = std::chrono::steady_clock;
+  explicit phase_meter(generate_stats& st) : st_(st), start_(clock::now()) {}
+  void begin() { t0_ = clock::now(); }
+  void end_prefill() {
+    st_.prefill_seconds += since(t0_);
+    if (!first_token_) {
+      st_.first_token_seconds = since(start_);
+      first_token_ = true;
+    }
+  }
+  // After a decode forward over `items`.
+  void decode_forward(const std::vector<forward_item>& items) {
+    ++st_.decode_steps;
+    st_.decode_tokens += items.size();
+    for (const auto& item : items)
+      st_.decode_kv_positions += std::uint64_t{item.position} + item.count;
+  }
+  void end_decode() { st_.decode_seconds += since(t0_); }
+
+private:
+  static double since(clock::time_point t) {
+    return std::chrono::duration<double>(clock::now() - t).count();
+  }
+  generate_stats& st_;
+  const clock::time_point start_;
+  clock::time_point t0_;
+  bool first_token_ = false;
+};
+
 } // namespace
 
 std::vector<generation> engine::generate(const std::vector<const std::byte*>& residents,
@@ -211,7 +254,9 @@ std::vector<generation> engine::generate(const std::vector<const std::byte*>& re
   const std::uint32_t block_size = kv_.block_size;
 
   generate_stats st;
+  phase_meter meter(st);
   st.model_version = weights_version;
+  st.kv_bytes_per_position = kv_.block_bytes() / block_size;
   if (cache_version_ && *cache_version_ != weights_version && pool_.prefix_entries() != 0)
     st.stale_entries_dropped = reset_prefix_cache();
   cache_version_ = weights_version;
@@ -262,6 +307,7 @@ std::vector<generation> engine::generate(const std::vector<const std::byte*>& re
       admitted.push_back(next_prompt++);
     }
     if (!admitted.empty()) {
+      meter.begin();
       ++st.waves;
       auto& prompts = live.prefilling;
       prompts.assign(admitted.size(), sequence{});
@@ -338,6 +384,7 @@ std::vector<generation> engine::generate(const std::vector<const std::byte*>& re
         }
       }
       prompts.clear();
+      meter.end_prefill();
     }
 
     // ---- retire finished samples: their blocks and slots free at once
@@ -371,7 +418,10 @@ std::vector<generation> engine::generate(const std::vector<const std::byte*>& re
       items.push_back({s.blocks.data(), s.blocks.size(), position, &s.tokens.back(), 1});
       order.push_back(&s);
     }
+    meter.begin();
     const std::vector<sampled_token> next = model.forward_sample(items, arena_, params, draws);
+    meter.decode_forward(items);
+    meter.end_decode();
     ++st.forward_passes;
     for (std::size_t i = 0; i < order.size(); ++i)
       accept(*order[i], next[i]);
@@ -381,6 +431,8 @@ std::vector<generation> engine::generate(const std::vector<const std::byte*>& re
   st.graph_replays = after.graph_replays - before.graph_replays;
   st.graph_captures = after.graph_captures - before.graph_captures;
   st.peak_workspace_bytes = after.peak_workspace_bytes;
+  st.expert_loads_counted = after.counts_experts;
+  st.decode_expert_loads = after.decode_expert_loads - before.decode_expert_loads;
   st.prompts = plan.prompts.size();
   st.samples = results.size();
   ++totals_.requests;

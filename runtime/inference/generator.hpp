@@ -75,6 +75,21 @@ struct generate_stats {
   std::uint64_t graph_replays = 0;          // decode steps replayed from CUDA graphs
   std::uint64_t graph_captures = 0;
   std::uint64_t peak_workspace_bytes = 0;   // bf16 engine: device memory beyond weights + KV
+
+  // Phases and traffic (refit-bench generate; filled by generator.cpp's phase_meter).
+  double prefill_seconds = 0;      // prefill forwards + drawing each sample's first token
+  double decode_seconds = 0;       // batched decode steps (forward + sampling)
+  double first_token_seconds = 0;  // generate() entered -> the first wave's first tokens drawn
+  std::uint64_t decode_steps = 0;  // batched decode forward calls
+  std::uint64_t decode_tokens = 0; // tokens the decode steps fed (one per active sample)
+  // Sum over decode steps and their tokens of the positions attended (cached ones plus the
+  // new one): the KV positions the steps read.
+  std::uint64_t decode_kv_positions = 0;
+  // Sum over decode steps and layers of the distinct experts routed to (the expert weights a
+  // step must read); valid when expert_loads_counted (the forward counts its routing).
+  std::uint64_t decode_expert_loads = 0;
+  bool expert_loads_counted = false;
+  std::uint64_t kv_bytes_per_position = 0; // KV bytes of one position of one sequence (rank)
 };
 
 // A request field is out of range. `where` is relative to the GenerateRequest
@@ -91,6 +106,12 @@ struct request_plan {
   std::vector<std::vector<std::uint32_t>> waves;  // prompt indices per wave, in order
   std::uint32_t capacity_blocks = 0;
 };
+
+// Validates a score request (engine::score) against the model and an arena of
+// kv_cache_bytes; returns the sequences grouped into waves that fit (indices in order).
+std::vector<std::vector<std::uint32_t>> plan_score(
+  const model::model_config& cfg, const kv_geometry& kv, std::uint64_t kv_cache_bytes,
+  const std::vector<std::vector<std::int32_t>>& sequences, std::uint32_t start);
 
 // Worst-case KV blocks of one prompt: its full blocks (shared) plus, per sample, the blocks of
 // positions [full blocks * block_size, prompt + max_tokens - 1).
@@ -121,6 +142,10 @@ struct engine_options {
 // The KV geometry an engine with `options` uses (element size from the compute dtype).
 kv_geometry engine_kv_geometry(const model::model_config& cfg, std::uint32_t tp,
                                const engine_options& options);
+// The fp32 KV geometry engine::score uses over the same arena: one score block occupies one
+// engine block (half the positions of a bf16 block, the same bytes).
+kv_geometry score_kv_geometry(const model::model_config& cfg, std::uint32_t tp,
+                              const engine_options& options);
 
 class engine {
 public:
@@ -138,6 +163,19 @@ public:
                                    tp_comm& comm, const generate_input& input,
                                    std::uint64_t weights_version,
                                    generate_stats* stats = nullptr);
+
+  // Teacher forcing with the fp32 forward (compute_dtype float32, no fp32 weight copies):
+  // the log-softmax (temperature 1, no filters) log-probability of every token at positions
+  // [start, size) of each sequence, given the tokens before it. Mirrors generation's
+  // schedule (one batched prefill of [0, start), then one batched step per token), so for
+  // a generation of the same sequences the CPU engine's logprobs are reproduced bitwise.
+  // Scratch KV blocks come from this engine's pool (the prefix cache is neither read nor
+  // filled). Throws request_error ("sequences[i]...", "start") for a bad request.
+  // Defined in score.cpp.
+  std::vector<std::vector<float>> score(const std::vector<const std::byte*>& residents,
+                                        tp_comm& comm,
+                                        const std::vector<std::vector<std::int32_t>>& sequences,
+                                        std::uint32_t start);
 
   // Drops the prefix cache; returns the number of entries dropped.
   std::uint64_t reset_prefix_cache();

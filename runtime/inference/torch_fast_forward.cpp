@@ -149,6 +149,7 @@ public:
 
   forward_counters counters() const override {
     forward_counters c = counters_;
+    c.counts_experts = true;
     scope s(*this);
     const at::Tensor loads = expert_loads_.cpu();
     c.expert_loads = static_cast<std::uint64_t>(loads[0].item<std::int64_t>());

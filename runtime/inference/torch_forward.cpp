@@ -58,6 +58,11 @@ public:
       device_(o.cuda_device >= 0 ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(o.cuda_device))
                                  : at::Device(at::kCPU)),
       f32_(at::TensorOptions().dtype(at::kFloat).device(device_)) {
+    if (o.compute_dtype != model::dtype::float32)
+      throw std::invalid_argument("torch_forward: compute dtype "
+                                  + std::to_string(static_cast<int>(o.compute_dtype))
+                                  + " (model::dtype) is not supported: this forward computes "
+                                    "in float32 only");
     if (head_dim_ % 2 != 0)
       throw std::invalid_argument("torch_forward: head_dim " + std::to_string(head_dim_)
                                   + " must be even for RoPE");
@@ -107,6 +112,9 @@ public:
     }
     const auto n = static_cast<std::int64_t>(tokens.size());
 
+    decode_ = std::all_of(items.begin(), items.end(),
+                          [](const forward_item& i) { return i.count == 1; });
+    ++counters_.forwards;
     at::Tensor x = embed(tokens);
     const auto [cos, sin] = rope_tables(positions);
 
@@ -167,6 +175,8 @@ public:
     const float* data = logits.data_ptr<float>();
     return std::vector<float>(data, data + logits.numel());
   }
+
+  forward_counters counters() const override { return counters_; }
 
 private:
   void configure_threads() const {
@@ -365,6 +375,9 @@ private:
       auto& r = rows[static_cast<std::size_t>(e)];
       if (r.empty())
         continue;
+      ++counters_.expert_loads;
+      if (decode_)
+        ++counters_.decode_expert_loads;
       const auto m = static_cast<std::int64_t>(r.size());
       const at::Tensor index = at::from_blob(r.data(), {m}, at::kLong).to(device_);
       const at::Tensor scale =
@@ -396,6 +409,8 @@ private:
   const at::TensorOptions f32_; // fp32 on device_
   std::vector<float> inv_freq_;
   std::unordered_map<const std::byte*, at::Tensor> cache_;
+  forward_counters counters_{0, 0, 0, 0, 0, 0, true}; // counts_experts
+  bool decode_ = false; // the current forward feeds one token per item
 };
 
 rank_forward* create(const rank_forward_options& options) {

@@ -339,6 +339,8 @@ const std::vector<element_type>& table() {
     plain<coordinator_status>("coordinator_status"),
     plain<engine_status>("engine_status"),
     plain<supervisor_status>("supervisor_status"),
+    plain<score_request>("score_request"),
+    plain<score_result>("score_result"),
     plain<std::vector<rank_report>>("vector<rank_report>"),
     plain<std::vector<receipt>>("vector<receipt>"),
     handle_of<runtime_proxy_actor>("runtime_proxy_actor"),

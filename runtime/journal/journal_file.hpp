@@ -14,9 +14,11 @@
 
 namespace refit::journal {
 
-constexpr std::uint32_t format_version = 3; // 2: rank_info.pid, publication_header.producer_pids;
+constexpr std::uint32_t format_version = 4; // 2: rank_info.pid, publication_header.producer_pids;
                                             // 3: rank_info.weight_source, publication_spec.tp /
                                             //    verify, rank_report.digest_terms
+                                            // 4: generate_result.stats, score_request /
+                                            //    score_result
 // Upper bound of one record (a rank report or chunk of a large model stays far below).
 constexpr std::uint64_t max_record_bytes = 64u << 20;
 

@@ -3,6 +3,7 @@
 //   refit-bench publish --config configs/bench-cpu.yaml [--iterations N] [--verify] [--json]
 //   refit-bench soak --config configs/tiny-synthetic.yaml --cycles N [--seed S] [--json]
 //   refit-bench tokenize --tokenizer DIR --corpus FILE.jsonl [--seconds S] [--json]
+//   refit-bench generate --config R --batch 1,16,64,256 --prompt-len P --max-tokens T [--json]
 //
 // `publish` (runtime/bench/publish_bench.hpp) times whole publications against a bound
 // measured in the same run. `soak` (runtime/bench/soak.hpp) runs N publish/fault/restart
@@ -18,6 +19,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "runtime/bench/generate_bench.hpp"
 #include "runtime/bench/publish_bench.hpp"
 #include "runtime/bench/soak.hpp"
 #include "runtime/config/config.hpp"
@@ -100,6 +102,44 @@ int main(int argc, char** argv) {
                    "(default 500), so that injected stalls are detected quickly")
     ->check(CLI::Range(1u, 3600000u));
   soak->add_flag("--json", so.as_json, "print one JSON object instead of a table");
+  refit::bench::generate_options go;
+  auto* generate = app.add_subcommand(
+    "generate",
+    "Start the rollout runtime on its version-0 weights (synthetic or model.path), run one "
+    "warm-up request, then per --batch size --repeat GenerateRequests of that many random "
+    "prompts (--prompt-len ids from --seed; n 1, --max-tokens, no stop tokens, top_k 0, top_p "
+    "1). Prints per batch: prefill tok/s, time to first token, decode tok/s, decode step time, "
+    "the bytes a decode step must read (model config, the experts the router chose, KV length) "
+    "and roofline_ratio = (bytes/step / step time) / a copy bound measured in the same run "
+    "(device-to-device on GPUs, memcpy on CPU); and the logprob gap of the generated tokens to "
+    "the runtime's fp32 forward (SCORE). Medians over the repetitions.");
+  generate->add_option("-c,--config", go.config_path, "YAML recipe (required)")->required();
+  generate->add_option("--batch", go.batches, "batch sizes, comma separated (default 1,16,64,256)")
+    ->delimiter(',')
+    ->check(CLI::Range(1u, 1u << 20));
+  generate->add_option("--prompt-len", go.prompt_len, "prompt tokens (default 128)")
+    ->check(CLI::Range(1u, 1u << 24));
+  generate->add_option("--max-tokens", go.max_tokens, "new tokens per prompt (default 64)")
+    ->check(CLI::Range(1u, 1u << 24));
+  generate->add_option("--temperature", go.temperature,
+                       "sampling temperature (default 1; the gap is compared at 1 or 0 only)")
+    ->check(CLI::Range(0.0f, 100.0f));
+  generate->add_option("--seed", go.seed, "seed of the prompts and the sampling (default 1)");
+  generate->add_option("--repeat", go.repeat, "measured requests per batch size (default 3)")
+    ->check(CLI::Range(1u, 1000u));
+  generate->add_option("--bound-bytes", go.bound_bytes,
+                       "bytes of one bound copy (default 268435456)")
+    ->check(CLI::Range(std::uint64_t{1} << 20, std::uint64_t{1} << 36));
+  generate->add_option("--bound-reps", go.bound_reps,
+                       "bound copies after every measured request (default 3)")
+    ->check(CLI::Range(1u, 100u));
+  std::string gen_model_dir;
+  generate->add_option("--model", gen_model_dir,
+                       "a Hugging Face model directory (config.json + safetensors) to load "
+                       "instead of the recipe's model (sets model.path)");
+  bool no_gap = false;
+  generate->add_flag("--no-gap", no_gap, "skip scoring the generated tokens with the fp32 forward");
+  generate->add_flag("--json", go.as_json, "print one JSON object instead of a table");
   std::string tok_path, corpus_path;
   double tok_seconds = 3.0;
   bool tok_json = false;
@@ -160,9 +200,15 @@ int main(int argc, char** argv) {
   const bool soaking = soak->parsed();
   if (soaking)
     o.config_path = so.config_path;
+  if (generate->parsed()) {
+    o.config_path = go.config_path;
+    go.gap = !no_gap;
+  }
   refit::config::refit_config cfg;
   try {
     cfg = refit::config::load_file(o.config_path);
+    if (generate->parsed() && !gen_model_dir.empty())
+      refit::config::use_model_dir(cfg, gen_model_dir);
   } catch (const refit::config::config_error& e) {
     return fail(std::string("bad config: ") + e.what());
   } catch (const std::exception& e) {
@@ -192,6 +238,20 @@ int main(int argc, char** argv) {
                 << std::endl;
       return 1;
     }
+    return 0;
+  }
+
+  if (generate->parsed()) {
+    json r;
+    try {
+      r = refit::bench::run_generate(go, cfg, runtime_exe);
+    } catch (const std::exception& e) {
+      return fail(std::string("generate: ") + e.what());
+    }
+    if (go.as_json)
+      std::cout << r.dump(2) << std::endl;
+    else
+      refit::bench::print_generate_table(r);
     return 0;
   }
 
