@@ -5,6 +5,7 @@
 
 #include "runtime/child/command_error.hpp"
 #include "runtime/model/digest.hpp"
+#include "runtime/trace/trace.hpp"
 
 namespace refit::child {
 
@@ -54,6 +55,7 @@ std::future<void> worker::post(std::function<void(worker&)> job) {
 }
 
 void worker::run() {
+  trace::set_thread_track(trace::tracks::tp_worker(rank_));
   for (;;) {
     std::packaged_task<void()> job;
     {
@@ -147,6 +149,8 @@ std::vector<inference::generation> worker::generate(const model::model_config& c
                                                     std::uint64_t weights_version,
                                                     inference::generate_stats* stats) {
   require_weights_resident("generate");
+  trace::span traced("generate", {{"prompts", input.prompts.size()}, {"n", input.params.n},
+                                  {"max_tokens", input.params.max_tokens}});
   if (!kv_cache_)
     throw std::logic_error("worker " + std::to_string(rank_)
                            + ": cannot generate without a KV cache");
@@ -164,7 +168,10 @@ std::vector<inference::generation> worker::generate(const model::model_config& c
                                                   kv_cache_.size(), o);
   }
   const std::vector<const std::byte*> residents(resident_ptrs_.begin(), resident_ptrs_.end());
-  return engine_->generate(residents, comm, input, weights_version, stats);
+  auto generations = engine_->generate(residents, comm, input, weights_version, stats);
+  if (stats)
+    traced.arg("generated_tokens", stats->generated_tokens);
+  return generations;
 }
 
 std::uint64_t worker::reset_prefix_cache() {
