@@ -396,6 +396,31 @@ TEST(TraceBench, PublicationTraceHasEveryTrackChunkAndConsistentClocks) {
             iterations * chunks);
 }
 
+TEST(TraceCoordinator, EveryTpWorkerHasOneSpanPerGenerateRequest) {
+  temp_dir dir;
+  const fs::path file = dir.path / "job.json";
+  auto r = refit::testing::run_command(std::string(REFIT_COORDINATOR_EXE) + " -c " + tiny_config()
+                                       + " -n 1 --json --trace " + file.string() + " 2>/dev/null");
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  const json t = read_json(file);
+  const auto spans = spans_by_track(t);
+  for (const auto& [track, v] : spans)
+    EXPECT_EQ(nesting_violation(v), "");
+  // The bootstrap generation (version 0) and the one after publication 1.
+  const auto requests = named(spans.at({tracks::coordinator_pid, 4}), "generate");
+  ASSERT_EQ(requests.size(), 2u);
+  for (std::uint32_t w = 0; w < 2; ++w) {
+    const auto gens = named(spans.at({tracks::runtime_pid, static_cast<int>(w)}), "generate");
+    ASSERT_EQ(gens.size(), 2u) << "worker " << w;
+    for (std::size_t i = 0; i < gens.size(); ++i) {
+      EXPECT_GE(gens[i].start, requests[i].start);
+      EXPECT_LE(gens[i].end, requests[i].end);
+      EXPECT_GT(gens[i].args["generated_tokens"].get<long long>(), 0);
+      EXPECT_GT(gens[i].args["prompts"].get<long long>(), 0);
+    }
+  }
+}
+
 TEST(TraceBench, UnwritableTracePathIsRefusedBeforeAnythingRuns) {
   auto r = refit::testing::run_command(bench_exe() + " publish --config " + tiny_config()
                                        + " --json --trace /nonexistent-dir/t.json 2>&1");
