@@ -258,7 +258,20 @@ TEST(TraceWire, EventsRideOnResponsesAndAreCheckedOnIngest) {
   EXPECT_EQ(events[1].name, "tick");
   EXPECT_TRUE(events[1].where == tracks::tp_worker(1));
   trace::disable();
-  trace::set_thread_track({tracks::other_pid, 0});
+}
+
+TEST(TraceRecorder, ThreadsWithoutATrackGetARowEach) {
+  trace::enable();
+  auto work = [] { trace::span s("untracked"); };
+  std::thread a(work), b(work);
+  a.join();
+  b.join();
+  trace::disable();
+  auto events = trace::drain();
+  ASSERT_EQ(events.size(), 2u);
+  EXPECT_EQ(events[0].where.pid, tracks::other_pid);
+  EXPECT_EQ(events[1].where.pid, tracks::other_pid);
+  EXPECT_NE(events[0].where.tid, events[1].where.tid);
 }
 
 TEST(TraceWire, TheFrameBoundIsKeptAndOverflowCounted) {

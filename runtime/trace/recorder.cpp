@@ -33,6 +33,10 @@ recorder& global() {
   return r;
 }
 
+// A thread that never set its track gets a row of its own under "other threads" (rows are
+// nested per thread, so two threads must not share one).
+std::atomic<std::uint32_t> next_other_tid{0};
+thread_local bool has_thread_track = false;
 thread_local track this_thread_track{tracks::other_pid, 0};
 
 void add_args(event& e, std::initializer_list<arg_view> args) {
@@ -153,11 +157,21 @@ void counter(track where, std::string_view name, std::initializer_list<arg_view>
   }
 }
 
-void set_thread_track(track t) noexcept { this_thread_track = t; }
-track thread_track() noexcept { return this_thread_track; }
+void set_thread_track(track t) noexcept {
+  this_thread_track = t;
+  has_thread_track = true;
+}
+
+track thread_track() noexcept {
+  if (!has_thread_track) {
+    this_thread_track = {tracks::other_pid, next_other_tid.fetch_add(1) + 1};
+    has_thread_track = true;
+  }
+  return this_thread_track;
+}
 
 span::span(std::string_view name, std::initializer_list<arg_view> args) noexcept
-  : span(this_thread_track, name, args) {}
+  : span(enabled() ? thread_track() : track{}, name, args) {}
 
 span::span(track where, std::string_view name, std::initializer_list<arg_view> args) noexcept {
   if (!enabled())

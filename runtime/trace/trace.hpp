@@ -159,7 +159,7 @@ void instant(track where, std::string_view name, std::initializer_list<arg_view>
 void counter(track where, std::string_view name, std::initializer_list<arg_view> args) noexcept;
 
 // The track spans without an explicit track use on this thread (a TP worker thread sets
-// tracks::tp_worker(rank) once); unset: tracks {other_pid, 0}.
+// tracks::tp_worker(rank) once); unset: a row of its own, {other_pid, n}, "thread n".
 void set_thread_track(track t) noexcept;
 track thread_track() noexcept;
 
