@@ -5,11 +5,25 @@
 #include <caf/stateful_actor.hpp>
 #include <caf/typed_event_based_actor.hpp>
 
+#include "runtime/trace/trace.hpp"
+
 namespace refit {
 
 using self_ptr = consensus_gate_actor::stateful_pointer<consensus_gate_state>;
 
 namespace {
+
+// --trace: a round from open to its outcome, on the row of its kind (rounds of different
+// kinds overlap: materialize[k + 1] runs while transfer[k] waits).
+void trace_round(const phase_id& phase, std::int64_t start_ns, bool passed) {
+  if (!trace::enabled())
+    return;
+  const auto where = phase.k() == phase_kind::materialize ? trace::tracks::gate_materialize()
+                     : phase.k() == phase_kind::transfer  ? trace::tracks::gate_transfer()
+                                                          : trace::tracks::gate_other();
+  trace::complete(where, to_string(phase.k()), start_ns,
+                  {{"chunk", phase.chunk}, {"passed", passed}, {"publication", phase.publication_id}});
+}
 
 // Fails the whole publication of `phase`: the open request(s) get the error, every rank gets
 // the same gate_failure.
@@ -21,6 +35,7 @@ void fail(self_ptr self, const phase_id& phase, std::uint32_t rank, const std::s
                               "rank " + std::to_string(rank) + ": " + error);
   for (auto it = st.open.begin(); it != st.open.end();) {
     if (it->first.publication_id == phase.publication_id) {
+      trace_round(it->first, it->second.trace_start_ns, false);
       it->second.rp.deliver(err);
       it = st.open.erase(it);
     } else {
@@ -56,6 +71,7 @@ void absorb(self_ptr self, const rank_report& r) {
   for (auto& [rank, rep] : round.reports)
     all.push_back(std::move(rep));
   round.rp.deliver(std::move(all));
+  trace_round(it->first, round.trace_start_ns, true);
   st.open.erase(it);
   ++st.passed;
 }
@@ -112,6 +128,7 @@ consensus_gate_actor::behavior_type consensus_gate(self_ptr self, consensus_gate
       round.world = world;
       round.deadline_ms = deadline_ms;
       round.rp = rp;
+      round.trace_start_ns = trace::start();
       for (const auto& [r, reason] : st.gone)
         if (r < world) {
           fail(self, phase, r, gone_message(r, reason));

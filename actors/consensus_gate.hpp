@@ -31,6 +31,7 @@ struct consensus_gate_state {
     std::uint32_t deadline_ms = 0;
     std::map<std::uint32_t, rank_report> reports;
     caf::typed_response_promise<std::vector<rank_report>> rp;
+    std::int64_t trace_start_ns = 0; // --trace: when it opened (trace::start)
   };
 
   consensus_gate_options opts;

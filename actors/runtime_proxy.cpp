@@ -11,8 +11,10 @@
 #include "messages/control.pb.h"
 #include "runtime/control/protocol.hpp"
 #include "runtime/control/runtime_channel.hpp"
+#include "runtime/control/trace_wire.hpp"
 #include "runtime/device/device.hpp"
 #include "runtime/publication/memory_preflight.hpp"
+#include "runtime/trace/trace.hpp"
 
 namespace refit {
 
@@ -45,6 +47,8 @@ std::vector<std::string> runtime_arguments(const runtime_proxy_options& opts) {
     args.emplace_back("--fault");
     args.push_back(f.command + ":" + f.kind + ":" + std::to_string(f.after));
   }
+  if (trace::enabled()) // this process traces (--trace FILE): the runtime ships its events
+    args.emplace_back("--trace");
   return args;
 }
 
@@ -148,6 +152,9 @@ void handle_response(self_ptr self, const channel_message& ev) {
     st.inflight = std::move(call); // failed in on_reaped
     return;
   }
+  wire::ingest_trace(rsp); // --trace: the runtime's events, on its tracks
+  trace::complete(trace::tracks::runtime_proxy(), protocol::command_name(cmd), call.trace_start_ns,
+                  {{"request_id", call.id}, {"ok", rsp.ok()}});
   if (auto v = protocol::validate_response(rsp, call.id, cmd)) {
     break_with(self, make_refit_error(errc::protocol_error, "response." + v->field, v->message));
     st.inflight = std::move(call);
@@ -226,6 +233,7 @@ void pump(self_ptr self) {
     return;
   st.inflight = std::move(st.queue.front());
   st.queue.pop_front();
+  st.inflight->trace_start_ns = trace::start();
   st.channel->transact(st.inflight->id, st.inflight->bytes, st.inflight->timeout);
 }
 

@@ -63,6 +63,7 @@ struct runtime_proxy_state {
     std::chrono::milliseconds timeout{0};
     std::function<void(const std::string& response_bytes)> on_ok; // validated ok response
     std::function<void(const caf::error&)> on_error;
+    std::int64_t trace_start_ns = 0;    // --trace: when it went on the wire (trace::start)
   };
 
   runtime_proxy_options opts;

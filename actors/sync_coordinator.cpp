@@ -13,6 +13,7 @@
 #include "runtime/device/device.hpp"
 #include "runtime/publication/backend.hpp"
 #include "runtime/publication/shard.hpp"
+#include "runtime/trace/trace.hpp"
 
 namespace refit {
 
@@ -68,6 +69,8 @@ void poison(self_ptr self, caf::error err) {
   enter(self, publication_state::poisoned);
   ++st.failures;
   st.last_error = render(err);
+  trace::complete(trace::tracks::sync_coordinator(), "publication (failed)", ctx->trace_start_ns,
+                  {{"version", ctx->version}, {"attempt", ctx->attempt}, {"error", st.last_error}});
   gate_failure g{ctx->current, 0, st.last_error};
   for (const auto& r : st.ranks) {
     journal::note_send(self, st.opts.journal, r, abort_atom::value, g);
@@ -183,10 +186,13 @@ void check_verification(self_ptr self, std::shared_ptr<publication_ctx> ctx) {
 void finish(self_ptr self, std::shared_ptr<publication_ctx> ctx) {
   auto& st = self->state;
   enter(self, publication_state::finalizing);
+  const auto traced = trace::start();
   self->request(st.engine, engine_timeout(st, st.opts.timeouts_ms.finish_weight_update),
                 finish_upd_atom::value, finish_request{ctx->id, ctx->version})
     .then(guarded<commit_result>(self, ctx,
-                  [self, ctx](commit_result& res) {
+                  [self, ctx, traced](commit_result& res) {
+                    trace::complete(trace::tracks::sync_coordinator(), "commit", traced,
+                                    {{"version", ctx->version}});
                     // The timed window ends here: the runtime committed the version.
                     ctx->seconds = journal::draw(
                       self, self->state.opts.journal, "seconds",
@@ -223,11 +229,20 @@ void finalize(self_ptr self, std::shared_ptr<publication_ctx> ctx) {
   phase(self, ctx, phase_kind::final, 0,
         [self, ctx, res](std::vector<rank_report>&) {
           auto& st = self->state;
+          const auto traced = trace::start();
           self->request(st.engine, engine_timeout(st, st.opts.timeouts_ms.release_ipc),
                         release_atom::value)
             .then(guarded<engine_status>(self, ctx,
-                                         [self, ctx, res](engine_status&) {
+                                         [self, ctx, res, traced](engine_status&) {
                                            auto& st = self->state;
+                                           trace::complete(trace::tracks::sync_coordinator(),
+                                                           "release", traced);
+                                           trace::complete(trace::tracks::sync_coordinator(),
+                                                           "publication", ctx->trace_start_ns,
+                                                           {{"version", ctx->version},
+                                                            {"attempt", ctx->attempt},
+                                                            {"chunks", res.chunks},
+                                                            {"bytes", res.bytes}});
                                            enter(self, publication_state::released);
                                            st.committed_version = ctx->version;
                                            ++st.publications;
@@ -318,10 +333,13 @@ void send_chunk(self_ptr self, std::shared_ptr<publication_ctx> ctx, std::uint32
   ctx->updating = true;
   auto chunk = std::move(ctx->ready.at(k));
   ctx->ready.erase(k);
+  const auto traced = trace::start();
   self->request(st.engine, engine_timeout(st, st.opts.timeouts_ms.update_weights),
                 update_atom::value, std::move(chunk))
     .then(guarded<chunk_ack>(self, ctx,
-                             [self, ctx, k](chunk_ack&) {
+                             [self, ctx, k, traced](chunk_ack&) {
+                               trace::complete(trace::tracks::sync_coordinator(),
+                                               "update_weights", traced, {{"chunk", k}});
                                phase(self, ctx, phase_kind::transfer, k,
                                      [self, ctx, k](std::vector<rank_report>&) {
                                        ctx->held.erase(k);
@@ -521,6 +539,7 @@ void start_attempt(self_ptr self, std::uint64_t version,
   auto& st = self->state;
   auto ctx = std::make_shared<publication_ctx>();
   ctx->id = journal::draw(self, st.opts.journal, "publication_id", random_publication_id());
+  ctx->trace_start_ns = trace::start();
   ctx->version = version;
   ctx->rp = std::move(rp);
   ctx->attempt = attempt;

@@ -40,6 +40,7 @@ struct sync_coordinator_options {
 // Everything about the publication in flight.
 struct publication_ctx {
   std::string id;
+  std::int64_t trace_start_ns = 0; // --trace: when the attempt began (trace::start)
   std::uint64_t version = 0;
   caf::typed_response_promise<publication_result> rp;
   std::vector<model::param_meta> expected;

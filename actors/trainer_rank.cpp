@@ -10,6 +10,7 @@
 #include <caf/typed_event_based_actor.hpp>
 
 #include "runtime/device/device.hpp"
+#include "runtime/trace/trace.hpp"
 
 namespace refit {
 
@@ -87,6 +88,7 @@ std::string shape_string(const std::vector<std::int64_t>& shape) {
 // Worker-thread side of `prepare`: independent re-planning and buffer allocation.
 rank_report run_prepare(const trainer_rank_options& o, const source_view& shards,
                         const std::string& storage_error, rank_session& s, rank_report r) {
+  trace::span traced(trace::tracks::trainer_rank(o.rank), "prepare");
   try {
     if (!shards.ready())
       return failed(r, "this rank's shards could not be allocated: " + storage_error);
@@ -127,6 +129,7 @@ rank_report run_prepare(const trainer_rank_options& o, const source_view& shards
 rank_report run_materialize(const trainer_rank_options& o, const std::string& uuid,
                             const source_view& shards, rank_session& s,
                             std::uint32_t k, rank_report r) {
+  trace::span traced(trace::tracks::trainer_rank(o.rank), "materialize", {{"chunk", k}});
   if (k >= s.plan.chunks.size())
     return failed(r, "chunk " + std::to_string(k) + " is not in the plan ("
                        + std::to_string(s.plan.chunks.size()) + " chunks)");
@@ -164,7 +167,10 @@ rank_report run_materialize(const trainer_rank_options& o, const std::string& uu
   }
   auto deadline = std::chrono::steady_clock::now()
                   + std::chrono::milliseconds(o.collective_timeout_ms);
+  const auto gather_start = trace::start();
   auto status = s.coll->all_gather(o.rank, items, deadline);
+  trace::complete(trace::tracks::trainer_rank(o.rank), "gather", gather_start,
+                  {{"chunk", k}, {"tensors", items.size()}, {"ok", status.ok}});
   if (!status.ok)
     return failed(r, "all-gather of chunk " + std::to_string(k) + ": " + status.error);
   buffer_handle h;
@@ -174,6 +180,18 @@ rank_report run_materialize(const trainer_rank_options& o, const std::string& uu
   h.size = s.pool->bytes();
   r.handles.push_back(std::move(h));
   return r;
+}
+
+// --trace: the packed bytes this rank holds (one series per rank: double buffering shows as
+// two chunks held at once).
+void trace_packed(std::uint32_t rank, const std::map<std::uint32_t, std::uint64_t>& packed) {
+  if (!trace::enabled())
+    return;
+  std::uint64_t held = 0;
+  for (const auto& [chunk, b] : packed)
+    held += b;
+  trace::counter(trace::tracks::trainer_rank(rank), "packed bytes rank " + std::to_string(rank),
+                 {{"bytes", held}});
 }
 
 void report(self_ptr self, rank_report r) {
@@ -340,6 +358,7 @@ trainer_rank_impl::behavior_type trainer_rank(self_ptr self, trainer_rank_option
         for (const auto& [chunk, b] : st.packed)
           held += b;
         st.peak_materialized_bytes = std::max(st.peak_materialized_bytes, held);
+        trace_packed(st.opts.rank, st.packed);
       }
       report(self, std::move(r));
     },
@@ -359,6 +378,8 @@ trainer_rank_impl::behavior_type trainer_rank(self_ptr self, trainer_rank_option
       st.last_transferred = k;
       // The runtime finished reading chunk k's buffer.
       st.packed.erase(k);
+      trace::instant(trace::tracks::trainer_rank(st.opts.rank), "transferred", {{"chunk", k}});
+      trace_packed(st.opts.rank, st.packed);
       report(self, std::move(r));
     },
     [=](manifest_atom, const std::string& pub) {
@@ -371,7 +392,9 @@ trainer_rank_impl::behavior_type trainer_rank(self_ptr self, trainer_rank_option
       bool forge = find_fault(*st.session, "wrong_manifest") != nullptr;
       bool forge_terms = find_fault(*st.session, "wrong_digest_terms") != nullptr;
       st.worker->post([session = st.session, r, forge, forge_terms, post_back,
-                       model = st.opts.model, registered = st.opts.registered]() mutable {
+                       model = st.opts.model, registered = st.opts.registered,
+                       rank = st.opts.rank]() mutable {
+        trace::span traced(trace::tracks::trainer_rank(rank), "manifest");
         auto emitted = session->emitted;
         if (forge && !emitted.empty())
           emitted.pop_back();
@@ -411,6 +434,7 @@ trainer_rank_impl::behavior_type trainer_rank(self_ptr self, trainer_rank_option
       else if (res.manifest_fingerprint != spec.manifest_fingerprint)
         r = failed(r, "committed manifest differs from the one this rank published");
       st.session.reset(); // buffers released: nothing outlives the publication
+      trace::instant(trace::tracks::trainer_rank(st.opts.rank), "final", {{"ok", r.ok}});
       report(self, std::move(r));
     },
     [=](abort_atom, const gate_failure& failure) {
@@ -423,6 +447,8 @@ trainer_rank_impl::behavior_type trainer_rank(self_ptr self, trainer_rank_option
                                 + std::to_string(failure.rank) + "): " + failure.error);
       st.session.reset();
       st.packed.clear();
+      trace::instant(trace::tracks::trainer_rank(st.opts.rank), "abort",
+                     {{"error", failure.error}});
     },
   };
 }

@@ -2,7 +2,7 @@
 //
 //   refit-runtime --control-fd 3 --tp 2 --devices cpu:0,cpu:1 --model '<yaml flow map>'
 //                 --kv-cache-bytes 4194304 [--max-frame-bytes 67108864] --seed 1234
-//                 [--fault COMMAND:KIND[:AFTER]]...
+//                 [--fault COMMAND:KIND[:AFTER]]... [--trace]
 //
 // Speaks the control protocol (messages/control.proto) over the stream socket --control-fd.
 // Logs go to stderr. Exit codes: 0 after shutdown or when the parent closes the channel,
@@ -27,6 +27,7 @@
 #include "runtime/device/device.hpp"
 #include "runtime/control/framing.hpp"
 #include "runtime/model/qwen3_moe.hpp"
+#include "runtime/trace/trace.hpp"
 
 namespace {
 
@@ -192,6 +193,10 @@ int main(int argc, char** argv) {
                  "a Hugging Face model directory (config.json, *.safetensors) loaded as version 0 "
                  "instead of the synthetic weights");
   app.add_option("--fault", args.faults, "test-only fault COMMAND:KIND[:AFTER] (repeatable)");
+  bool trace = false;
+  app.add_flag("--trace", trace,
+               "record trace events and send them to the parent with every response "
+               "(runtime/control/trace_wire.hpp)");
 
   try {
     app.parse(argc, argv);
@@ -201,6 +206,10 @@ int main(int argc, char** argv) {
     log_line(std::string("bad command line: ") + e.what());
     return exit_bad_arguments;
   }
+
+  if (trace)
+    refit::trace::enable();
+  refit::trace::set_thread_track(refit::trace::tracks::runtime_server());
 
   refit::child::server_options options;
   try {

@@ -21,6 +21,8 @@
 #include "runtime/control/framing.hpp"
 #include "runtime/control/protocol.hpp"
 #include "runtime/control/protocol_version.hpp"
+#include "runtime/control/trace_wire.hpp"
+#include "runtime/trace/trace.hpp"
 
 
 namespace refit::child {
@@ -216,6 +218,7 @@ server::decoded server::decode(const std::string& frame) const {
 pb::Response server::execute(const pb::Request& request) {
   const pb::Command command = request.command();
   pb::Response response = envelope(request.request_id(), command);
+  trace::span traced(command_name(command), {{"request_id", request.request_id()}});
   try {
     switch (command) {
       case pb::COMMAND_DESCRIBE: *response.mutable_describe() = describe(); break;
@@ -263,8 +266,10 @@ pb::Response server::execute(const pb::Request& request) {
 }
 
 bool server::send(const pb::Response& response) {
-  auto status = wire::write_frame(options_.control_fd, response.SerializeAsString(),
-                                  options_.max_frame_bytes, wire::clock::now() + write_timeout);
+  std::string payload = response.SerializeAsString();
+  wire::append_trace(payload, options_.max_frame_bytes); // --trace only
+  auto status = wire::write_frame(options_.control_fd, payload, options_.max_frame_bytes,
+                                  wire::clock::now() + write_timeout);
   if (!status)
     log_line("cannot answer " + command_name(response.command()) + " (request "
              + std::to_string(response.request_id()) + "): " + wire::to_string(status.code) + ": "

@@ -7,6 +7,7 @@
 
 #include "runtime/child/command_error.hpp"
 #include "runtime/control/protocol_version.hpp"
+#include "runtime/trace/trace.hpp"
 
 namespace refit::child {
 
@@ -318,6 +319,8 @@ std::vector<weight_transfer::packed_tensor> weight_transfer::claim_tensors(
 
 void weight_transfer::load_chunk(worker& w, const pb::UpdateWeightsRequest& request,
                                  const std::vector<packed_tensor>& tensors) const {
+  // On this TP worker's track: map (first use of a buffer), copy into the resident layout, sync.
+  trace::span traced("load", {{"chunk", request.chunk_index()}, {"tensors", tensors.size()}});
   const std::string& uuid = w.device_uuid();
   const pb::BufferHandle* own = nullptr;
   for (const pb::BufferHandle& handle : request.handles())
@@ -362,6 +365,7 @@ void weight_transfer::load_chunk(worker& w, const pb::UpdateWeightsRequest& requ
                                ? static_cast<int>(header.producer_pids(static_cast<int>(w.rank())))
                                : 0;
     try {
+      trace::span mapped("map buffer", {{"chunk", request.chunk_index()}, {"bytes", own->size()}});
       mapping = &w.map_buffer(own->handle(), own->size(), producer_pid);
     } catch (const std::runtime_error& e) {
       // A handle that cannot be mapped as trainer rank r's sealed buffer is bad input from
@@ -370,10 +374,18 @@ void weight_transfer::load_chunk(worker& w, const pb::UpdateWeightsRequest& requ
                        "TP worker " + std::to_string(w.rank()) + ": " + e.what());
     }
   }
-  for (const packed_tensor& t : tensors)
-    w.load_tensor(*t.param, mapping->data() + t.offset);
+  {
+    trace::span copy("copy", {{"chunk", request.chunk_index()}});
+    std::uint64_t bytes = 0;
+    for (const packed_tensor& t : tensors) {
+      w.load_tensor(*t.param, mapping->data() + t.offset);
+      bytes += t.param->nbytes();
+    }
+    copy.arg("bytes", bytes);
+  }
   // The answer to update_weights tells the producer it may rewrite this buffer: every copy
   // out of it must have finished (on CUDA: the worker's stream, ordered by an event).
+  trace::span sync("sync", {{"chunk", request.chunk_index()}});
   w.finish_loads();
 }
 
@@ -402,7 +414,10 @@ pb::FinishWeightUpdateResult weight_transfer::finish(
     }
 
     std::vector<pb::Receipt> receipts(workers_.size());
-    on_all_workers(workers_, [&](worker& w) { receipts[w.rank()] = receipt_of(w, header); });
+    on_all_workers(workers_, [&](worker& w) {
+      trace::span traced("receipt", {{"verify", header.verify()}});
+      receipts[w.rank()] = receipt_of(w, header);
+    });
     validate_receipts(receipts, header);
     pub.finished = true;
 
@@ -504,7 +519,10 @@ pb::ReleaseIpcResult weight_transfer::release(const pb::ReleaseIpcRequest& reque
                             + " is not the finished publication " + id);
   }
   std::vector<std::uint32_t> closed(workers_.size());
-  on_all_workers(workers_, [&closed](worker& w) { closed[w.rank()] = w.unmap_buffers(); });
+  on_all_workers(workers_, [&closed](worker& w) {
+    trace::span traced("unmap");
+    closed[w.rank()] = w.unmap_buffers();
+  });
   session_.reset();
 
   pb::ReleaseIpcResult result;

@@ -5,6 +5,7 @@
 
 #include "runtime/child/command_error.hpp"
 #include "runtime/model/digest.hpp"
+#include "runtime/trace/trace.hpp"
 
 namespace refit::child {
 
@@ -54,6 +55,7 @@ std::future<void> worker::post(std::function<void(worker&)> job) {
 }
 
 void worker::run() {
+  trace::set_thread_track(trace::tracks::tp_worker(rank_));
   for (;;) {
     std::packaged_task<void()> job;
     {
@@ -169,9 +171,14 @@ std::vector<inference::generation> worker::generate(const model::model_config& c
                                                     const inference::generate_input& input,
                                                     std::uint64_t weights_version,
                                                     inference::generate_stats* stats) {
+  trace::span traced("generate", {{"prompts", input.prompts.size()}, {"n", input.params.n},
+                                  {"max_tokens", input.params.max_tokens}});
   inference::engine& e = generation_engine(cfg, options, "generate");
   const std::vector<const std::byte*> residents(resident_ptrs_.begin(), resident_ptrs_.end());
-  return e.generate(residents, comm, input, weights_version, stats);
+  auto generations = e.generate(residents, comm, input, weights_version, stats);
+  if (stats)
+    traced.arg("generated_tokens", stats->generated_tokens);
+  return generations;
 }
 
 std::vector<std::vector<float>> worker::score(const model::model_config& cfg,

@@ -163,6 +163,8 @@ public:
                                             const std::vector<sample_draw>& draws);
 
   virtual forward_counters counters() const { return {}; }
+  // Decode steps replayed from CUDA graphs so far (no device synchronization).
+  virtual std::uint64_t graph_replays() const { return 0; }
 
 protected:
   virtual bool samples_on_device() const { return false; }
@@ -186,7 +188,7 @@ std::unique_ptr<rank_forward> make_rank_forward(const rank_forward_options& opti
 std::string loaded_backend_path();
 
 // ABI handshake between make_rank_forward and the module.
-constexpr std::uint32_t backend_abi_version = 3;
+constexpr std::uint32_t backend_abi_version = 4;
 struct backend_entry {
   std::uint32_t abi_version;
   std::size_t options_size; // sizeof(rank_forward_options) in the module

@@ -1,5 +1,7 @@
 #include "runtime/inference/generator.hpp"
 
+#include "runtime/trace/trace.hpp"
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -308,6 +310,7 @@ std::vector<generation> engine::generate(const std::vector<const std::byte*>& re
     }
     if (!admitted.empty()) {
       meter.begin();
+      trace::span traced("prefill", {{"prompts", admitted.size()}, {"live", live_samples}});
       ++st.waves;
       auto& prompts = live.prefilling;
       prompts.assign(admitted.size(), sequence{});
@@ -419,7 +422,10 @@ std::vector<generation> engine::generate(const std::vector<const std::byte*>& re
       order.push_back(&s);
     }
     meter.begin();
+    trace::span traced("decode_step", {{"batch", items.size()}});
+    const std::uint64_t replays = model.graph_replays();
     const std::vector<sampled_token> next = model.forward_sample(items, arena_, params, draws);
+    traced.arg("cuda_graph", model.graph_replays() != replays);
     meter.decode_forward(items);
     meter.end_decode();
     ++st.forward_passes;

@@ -164,6 +164,8 @@ public:
     return c;
   }
 
+  std::uint64_t graph_replays() const override { return counters_.graph_replays; }
+
 protected:
   bool samples_on_device() const override { return true; }
 

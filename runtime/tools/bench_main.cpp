@@ -4,6 +4,7 @@
 //   refit-bench soak --config configs/tiny-synthetic.yaml --cycles N [--seed S] [--json]
 //   refit-bench tokenize --tokenizer DIR --corpus FILE.jsonl [--seconds S] [--json]
 //   refit-bench generate --config R --batch 1,16,64,256 --prompt-len P --max-tokens T [--json]
+//   any of them with --trace FILE: a Chrome trace-event JSON of the run (Perfetto)
 //
 // `publish` (runtime/bench/publish_bench.hpp) times whole publications against a bound
 // measured in the same run. `soak` (runtime/bench/soak.hpp) runs N publish/fault/restart
@@ -25,6 +26,7 @@
 #include "runtime/config/config.hpp"
 #include "runtime/control/process.hpp"
 #include "runtime/tokenizer/tokenize_bench.hpp"
+#include "runtime/trace/chrome_json.hpp"
 
 namespace {
 
@@ -42,6 +44,15 @@ int main(int argc, char** argv) {
   CLI::App app{"refit-bench: benchmarks refit's weight publication path on a recipe "
                "(configs/*.yaml)."};
   app.require_subcommand(1, 1);
+  std::string trace_path;
+  app.add_option("--trace", trace_path,
+                 "write a Chrome trace-event JSON of the run to FILE (open it in Perfetto or "
+                 "chrome://tracing): one track per trainer rank and TP worker (materialize, "
+                 "gather, load, copy per chunk), the gate rounds, commit and release, the "
+                 "runtime's control requests; accepted after the subcommand too")
+    ->type_name("FILE");
+  app.fallthrough(); // --trace after the subcommand
+  refit::trace::tool_trace traced(program); // written when main returns
   refit::bench::publish_options o;
   auto* publish = app.add_subcommand(
     "publish",
@@ -162,6 +173,14 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     std::cerr << program << ": bad arguments: " << e.what() << " (see --help)" << std::endl;
     return 2;
+  }
+  if (!trace_path.empty()) {
+    try {
+      traced.open(trace_path); // before anything runs: an unwritable path is refused here
+    } catch (const std::exception& e) {
+      std::cerr << program << ": bad arguments: --trace: " << e.what() << std::endl;
+      return 2;
+    }
   }
 
   if (tokenize->parsed()) {

@@ -27,6 +27,7 @@
 #include "runtime/system/serve.hpp"
 #include "runtime/control/process.hpp"
 #include "runtime/job/job.hpp"
+#include "runtime/trace/chrome_json.hpp"
 
 namespace {
 
@@ -437,7 +438,24 @@ int main(int argc, char** argv) {
   serve->add_option("--host", serve_host, "listen address (overrides serve.host)");
   serve->add_option("--port", serve_port, "listen port, 0 = a free one (overrides serve.port)")
     ->check(CLI::Range(0, 65535));
+  std::string trace_path;
+  const char* trace_help =
+    "write a Chrome trace-event JSON of the run to FILE when it ends (open it in Perfetto or "
+    "chrome://tracing): one track per trainer rank of this process and per TP worker "
+    "(materialize, gather, load, copy per chunk), the gate rounds, commit and release, the "
+    "runtime's control requests and generate requests";
+  app.add_option("--trace", trace_path, trace_help)->type_name("FILE");
+  serve->add_option("--trace", trace_path, trace_help)->type_name("FILE");
   CLI11_PARSE(app, argc, argv);
+  refit::trace::tool_trace traced("refit-coordinator"); // written when main returns
+  if (!trace_path.empty()) {
+    try {
+      traced.open(trace_path); // before anything runs: an unwritable path is refused here
+    } catch (const std::exception& e) {
+      std::cerr << "refit-coordinator: bad command line: --trace: " << e.what() << std::endl;
+      return 1;
+    }
+  }
   if (*serve)
     return serve_main(serve_config, serve_host, serve_port);
 
