@@ -68,6 +68,12 @@ struct publication_ctx {
   phase_id current;                      // for error reports
   std::uint32_t attempt = 1;             // 1 + republishes so far
   std::vector<std::string> recovered_errors;
+  // Direct mode: placed bytes the plan expects per chunk (from the TP layout alone) and what
+  // the ranks reported writing, on their own device and across devices.
+  bool direct = false;
+  std::vector<std::uint64_t> direct_placed;
+  std::uint64_t bytes_local = 0;
+  std::uint64_t bytes_cross = 0;
 };
 
 // A failed publication waiting for the supervisor's fresh runtime, to be published again.

@@ -6,7 +6,7 @@
 
 namespace refit::wire {
 
-inline constexpr std::uint32_t protocol_version = 2; // 2: header.producer_pids
+inline constexpr std::uint32_t protocol_version = 3; // 2: header.producer_pids; 3: publication mode (direct), resident exports
 
 // Version of the refit wire protocol between trainer processes and the coordinator (the
 // join handshake and every message of messages/net_types.hpp that crosses CAF's network
@@ -15,6 +15,6 @@ inline constexpr std::uint32_t protocol_version = 2; // 2: header.producer_pids
 // 2: the serve handshake before BASP; hello/join tokens only with TLS.
 // 3: rank_info.weight_source, publication_spec.tp / verify, rank_report.digest_terms
 //    (registered tensors); the registry's generate / sleep / wake.
-inline constexpr std::uint32_t serve_protocol_version = 3;
+inline constexpr std::uint32_t serve_protocol_version = 4; // 4: publication_spec, rank_report and publication_result carry the direct mode
 
 } // namespace refit::wire
