@@ -20,6 +20,8 @@ struct publish_options {
   // "synthetic": the ranks' synthetic shard store; "registered": each rank publishes memory
   // laid out as an FSDP2 trainer holds it (bench/fsdp_memory.hpp), registered zero copy.
   std::string source = "synthetic";
+  // publication.mode for this run: "packed", "direct", or "" (the recipe's).
+  std::string mode;
   bool as_json = false;
 };
 

@@ -168,4 +168,11 @@ std::vector<std::vector<std::uint64_t>> expected_resident_digests(
 double allgather_seconds(const std::vector<int>& ordinals, std::uint64_t total_out_bytes,
                          std::uint32_t calls);
 
+// Seconds one device-to-device copy of `total_bytes` takes on `ordinal` (cudaMemcpyAsync
+// between two scratch buffers of at most `piece_bytes`, issued back to back until
+// total_bytes are copied, after one warm-up copy): the single-copy bound of direct
+// publication at world 1.
+double copy_seconds(int ordinal, std::uint64_t total_bytes,
+                    std::uint64_t piece_bytes = 1ull << 30);
+
 } // namespace refit::cuda

@@ -66,6 +66,11 @@ int main(int argc, char** argv) {
                       "registered (memory laid out as FSDP2 holds it: unpadded Shard(0) rows, "
                       "fused experts; published zero copy)")
     ->check(CLI::IsMember({"synthetic", "registered"}));
+  publish->add_option("--mode", o.mode,
+                      "publication.mode of this run: packed (all-gather into packed buffers, "
+                      "the runtime scatters) or direct (every rank writes its bytes straight "
+                      "into the runtime's resident tensors); default: the recipe's")
+    ->check(CLI::IsMember({"packed", "direct"}));
   publish->add_option("--bound-reps", o.bound_reps,
                       "memcpy repetitions timed for the bound right after each publication "
                       "(default 3); bound_gbps uses the median of all of them")
