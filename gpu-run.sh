@@ -11,7 +11,7 @@ cmake -S . -B build-gpu $GPU_CMAKE_ARGS -DREFIT_CUDA=ON > "$OUT/configure.log" 2
 timeout 110 cmake --build build-gpu -j 16 --target refit-bench refit-runtime test_gpu > "$OUT/build.log" 2>&1
 rc=$?; echo "build rc=$rc after $(el) s"
 [ $rc -ne 0 ] && { grep -E "error|FAILED" -A5 "$OUT/build.log" | head -40; tail -5 "$OUT/build.log"; exit 1; }
-timeout 25 ./build-gpu/bin/test_gpu --gtest_filter='GpuDirectPublication.*:GpuPublication.ByteExactTp1' > "$OUT/gpu-direct-tests.log" 2>&1
+timeout 25 ./build-gpu/bin/test_gpu --gtest_filter='GpuKernels.*:GpuDirectPublication.*:GpuPublication.ByteExactTp1' > "$OUT/gpu-direct-tests.log" 2>&1
 echo "gpu tests rc=$? after $(el) s"; grep -E "^\[ *(OK|FAILED|PASSED|SKIPPED) |tests ran|Failure|Which is" "$OUT/gpu-direct-tests.log" | head -20
 CFG=configs/qwen3-30b-a3b-tp1.yaml
 timeout 50 ./build-gpu/bin/refit-bench publish --config $CFG --mode direct --iterations 5 --verify --json > "$OUT/direct.json" 2> "$OUT/direct.log"
