@@ -430,6 +430,11 @@ json bench::run() {
     {"planned_packed_buffer_bytes", planned_buffers},
     {"peak_buffer_bytes_per_rank", first.peak_buffer_bytes},
   };
+  if (cfg_.publication.mode == "direct")
+    out["peak_extra"]["direct_mode"]
+      = "no packed buffer exists (peak_buffer_bytes_per_rank 0); trainer_process_bytes counts the "
+        "runtime's resident arenas mapped into this process as the ranks write them (shared "
+        "memfd pages of the runtime's own memory, RssShmem), not an allocation";
   if (on_gpu()) {
     std::uint64_t worst = 0;
     json all = json::array();
