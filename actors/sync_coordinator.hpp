@@ -125,6 +125,10 @@ sync_coordinator(sync_coordinator_impl::stateful_pointer<sync_coordinator_state>
 // The expected resident digests of registered weights: every rank's manifest-phase digest
 // terms (flattened [tp][resident]) added to the zero digests. Throws std::runtime_error when a
 // rank's terms do not fit the layout.
+// Preflight of attempt `ctx` (sync_preflight.cpp): fills ctx.plan (and, in direct mode,
+// ctx.direct_placed); a preflight_failed error naming what does not fit, or none.
+caf::error preflight(const sync_coordinator_state& st, publication_ctx& ctx);
+
 std::vector<receipt> expected_from_terms(const model::model_config& model, std::uint32_t tp,
                                          const std::vector<rank_report>& reports);
 std::vector<receipt> expected_resident_checksums(const model::model_config& model,
