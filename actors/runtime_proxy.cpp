@@ -43,6 +43,10 @@ std::vector<std::string> runtime_arguments(const runtime_proxy_options& opts) {
     args.emplace_back("--checkpoint");
     args.push_back(opts.model_path);
   }
+  if (opts.publication_mode == "direct") {
+    args.emplace_back("--publication-mode");
+    args.emplace_back("direct");
+  }
   for (const auto& f : rt.faults) {
     args.emplace_back("--fault");
     args.push_back(f.command + ":" + f.kind + ":" + std::to_string(f.after));

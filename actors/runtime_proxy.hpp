@@ -25,6 +25,7 @@ struct runtime_proxy_options {
   std::uint64_t seed = 0;            // checkpoint weights of the runtime (version 0)
   float init_scale = 0.02f;          // ... and their scale
   std::string model_path;            // a Hugging Face model directory ("" = synthetic weights)
+  std::string publication_mode = "packed"; // publication.mode: direct => exportable residents
   std::string executable_path;       // resolved path of refit-runtime
   std::vector<std::string> scrub_env; // environment variables the runtime must not inherit
 };

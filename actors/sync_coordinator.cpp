@@ -226,6 +226,9 @@ void finalize(self_ptr self, std::shared_ptr<publication_ctx> ctx) {
   res.receipts = ctx->commit.receipts;
   res.attempts = ctx->attempt;
   res.recovered_errors = ctx->recovered_errors;
+  res.mode = ctx->direct ? "direct" : "packed";
+  res.bytes_local = ctx->bytes_local;
+  res.bytes_cross = ctx->bytes_cross;
   phase(self, ctx, phase_kind::final, 0,
         [self, ctx, res](std::vector<rank_report>&) {
           auto& st = self->state;
@@ -297,9 +300,28 @@ void materialize_chunk(self_ptr self, std::shared_ptr<publication_ctx> ctx, std:
           chunk.is_first = k == 0;
           chunk.is_last = k + 1 == ctx->plan.chunks.size();
           chunk.tensors = reports.front().tensors;
-          std::uint64_t bytes = 0;
-          for (const auto& t : chunk.tensors)
-            bytes = std::max<std::uint64_t>(bytes, t.offset + t.nbytes);
+          std::uint64_t bytes = 0; // packed bytes held (none in direct mode)
+          if (!ctx->direct)
+            for (const auto& t : chunk.tensors)
+              bytes = std::max<std::uint64_t>(bytes, t.offset + t.nbytes);
+          if (ctx->direct) {
+            // Every placed byte of the chunk written exactly once, by whichever rank owns it:
+            // the ranks' totals must add up to what the TP layout places.
+            std::uint64_t moved = 0;
+            for (const auto& r : reports)
+              moved += r.moved_local + r.moved_cross;
+            if (moved != ctx->direct_placed.at(k))
+              return poison(self, make_refit_error(
+                                    errc::gate_failed, "materialize[" + std::to_string(k) + "]",
+                                    "the ranks wrote " + std::to_string(moved)
+                                      + " placed bytes of chunk " + std::to_string(k)
+                                      + ", the TP layout places " 
+                                      + std::to_string(ctx->direct_placed.at(k))));
+            for (const auto& r : reports) {
+              ctx->bytes_local += r.moved_local;
+              ctx->bytes_cross += r.moved_cross;
+            }
+          }
           for (const auto& r : reports) {
             if (r.tensors.size() != chunk.tensors.size()
                 || !std::equal(r.tensors.begin(), r.tensors.end(), chunk.tensors.begin(),
@@ -395,56 +417,61 @@ void start_update(self_ptr self, std::shared_ptr<publication_ctx> ctx) {
           on_error(self, ctx));
 }
 
-// Preflight, before any materialization: topology, buffer fit, memory budget.
-caf::error preflight(const sync_coordinator_state& st, publication_ctx& ctx) {
-  auto bad = [](const std::string& where, const std::string& msg) {
-    return make_refit_error(errc::preflight_failed, where, msg);
-  };
-  const auto& d = ctx.runtime;
-  if (ctx.ranks.size() != d.tp_world_size)
-    return bad("world", std::to_string(ctx.ranks.size()) + " trainer ranks but the runtime has TP "
-                          + std::to_string(d.tp_world_size)
-                          + " (one TP worker per trainer rank is required)");
-  for (std::size_t r = 0; r < ctx.ranks.size(); ++r) {
-    const auto& ri = ctx.ranks[r];
-    if (ri.rank != r || ri.world != ctx.ranks.size())
-      return bad("rank " + std::to_string(r), "reports itself as rank " + std::to_string(ri.rank)
-                                                + " of " + std::to_string(ri.world));
-    if (ri.device_uuid != d.workers[r].device_uuid)
-      return bad("device_uuids[" + std::to_string(r) + "]",
-                 "trainer rank " + std::to_string(r) + " is on " + ri.device_uuid
-                   + " but TP worker " + std::to_string(r) + " is on " + d.workers[r].device_uuid);
-  }
-  if (!std::all_of(ctx.ranks.begin(), ctx.ranks.end(),
-                   [&](const rank_info& ri) { return ri.step == ctx.ranks.front().step; }))
-    return bad("step", "trainer ranks are at different optimizer steps");
-  for (const auto& ri : ctx.ranks)
-    if (ri.weight_source != ctx.ranks.front().weight_source)
-      return bad("weight_source", "trainer rank 0 publishes " + ctx.ranks.front().weight_source
-                                    + " weights, rank " + std::to_string(ri.rank) + " "
-                                    + ri.weight_source + " weights");
+// Direct mode: the runtime exports its resident arenas first (init_weight_transfer), a
+// describe reads their handles, and the ranks open them in prepare; then start and load.
+void init_direct(self_ptr self, std::shared_ptr<publication_ctx> ctx, publication_spec spec) {
+  auto& st = self->state;
   const auto& pc = st.opts.publication;
-  try {
-    ctx.plan = publication::plan_chunks(ctx.expected, pc.buffer_bytes,
-                                        static_cast<std::uint32_t>(ctx.ranks.size()));
-  } catch (const model::model_error& e) {
-    return bad(e.where, std::string("does not fit the packed buffer: ") + e.what());
-  }
-  auto required = 3 * pc.buffer_bytes + ctx.plan.largest_tensor_bytes + pc.memory_headroom_bytes;
-  for (const auto& ri : ctx.ranks)
-    if (ri.free_bytes < required)
-      return bad("memory",
-                 "trainer rank " + std::to_string(ri.rank) + " has " + std::to_string(ri.free_bytes)
-                   + " free bytes; the publication needs " + std::to_string(required)
-                   + " (3 x buffer " + std::to_string(pc.buffer_bytes) + " + largest tensor "
-                   + std::to_string(ctx.plan.largest_tensor_bytes) + " + headroom "
-                   + std::to_string(pc.memory_headroom_bytes) + ")");
-  for (const auto& w : d.workers)
-    if (w.device_free_bytes != 0 && w.device_free_bytes < required)
-      return bad("memory", "TP worker " + std::to_string(w.rank) + " has "
-                             + std::to_string(w.device_free_bytes) + " free bytes; needs "
-                             + std::to_string(required));
-  return {};
+  self->request(st.engine, engine_timeout(st, st.opts.timeouts_ms.init_weight_transfer),
+                init_wt_atom::value,
+                transfer_init{pc.transport, pc.buffer_bytes, pc.buffer_count, "direct"})
+    .then(guarded<engine_status>(self, ctx,
+      [self, ctx, spec](engine_status&) mutable {
+        auto& st = self->state;
+        enter(self, publication_state::initialized);
+        self->request(st.engine, engine_timeout(st, st.opts.timeouts_ms.describe),
+                      describe_atom::value)
+          .then(guarded<runtime_description>(self, ctx,
+            [self, ctx, spec](runtime_description& d) mutable {
+              if (d.pid == 0 || d.workers.size() != ctx->runtime.workers.size())
+                return poison(self, make_refit_error(errc::validation_failed, "describe",
+                                                     "the runtime's description changed after "
+                                                     "init_weight_transfer"));
+              for (const auto& w : d.workers) {
+                if (w.resident_export.empty() || w.resident_export_bytes == 0
+                    || w.device_uuid != ctx->runtime.workers[w.rank].device_uuid)
+                  return poison(self, make_refit_error(
+                                        errc::validation_failed,
+                                        "describe.workers[" + std::to_string(w.rank) + "]",
+                                        "TP worker " + std::to_string(w.rank)
+                                          + " exports no resident arena after a direct "
+                                            "init_weight_transfer"));
+                buffer_handle h;
+                h.device_uuid = w.device_uuid;
+                h.buffer_index = w.rank;
+                h.handle = w.resident_export;
+                h.size = w.resident_export_bytes;
+                spec.targets.push_back(std::move(h));
+              }
+              spec.runtime_pid = d.pid;
+              phase(self, ctx, phase_kind::prepare, 0,
+                    [self, ctx](std::vector<rank_report>&) {
+                      auto& st = self->state;
+                      self->request(st.engine,
+                                    engine_timeout(st, st.opts.timeouts_ms.start_weight_update),
+                                    start_upd_atom::value, ctx->header)
+                        .then(guarded<engine_status>(self, ctx,
+                                                     [self, ctx](engine_status&) {
+                                                       enter(self, publication_state::started);
+                                                       load_chunks(self, ctx);
+                                                     }),
+                              on_error(self, ctx));
+                    },
+                    prepare_atom::value, spec);
+            }),
+            on_error(self, ctx));
+      }),
+      on_error(self, ctx));
 }
 
 void begin(self_ptr self, std::shared_ptr<publication_ctx> ctx) {
@@ -482,6 +509,7 @@ void begin(self_ptr self, std::shared_ptr<publication_ctx> ctx) {
                                         }
                                         h.expected_tensor_count = ctx->expected.size();
                                         h.verify = ctx->verify;
+                                        h.mode = ctx->direct ? "direct" : "packed";
                                         const bool registered
                                           = ctx->ranks.front().weight_source == "registered";
                                         if (ctx->verify && !registered
@@ -521,6 +549,9 @@ void begin(self_ptr self, std::shared_ptr<publication_ctx> ctx) {
                                         spec.world = static_cast<std::uint32_t>(st.ranks.size());
                                         spec.tp = h.tp_world_size;
                                         spec.verify = ctx->verify;
+                                        spec.mode = h.mode;
+                                        if (ctx->direct)
+                                          return init_direct(self, ctx, std::move(spec));
                                         phase(self, ctx, phase_kind::prepare, 0,
                                               [self, ctx](std::vector<rank_report>&) {
                                                 start_update(self, ctx);
@@ -546,6 +577,7 @@ void start_attempt(self_ptr self, std::uint64_t version,
   ctx->recovered_errors = std::move(recovered);
   ctx->verify = st.opts.publication.verify;
   ctx->buffer_count = st.opts.publication.buffer_count;
+  ctx->direct = st.opts.publication.mode == "direct";
   ctx->current = phase_id{ctx->id, static_cast<std::uint8_t>(phase_kind::prepare), 0};
   // The expected stream is planned from the config alone, independent of what the ranks emit.
   ctx->expected = model::expected_key_stream(st.opts.model);

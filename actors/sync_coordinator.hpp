@@ -69,6 +69,12 @@ struct publication_ctx {
   phase_id current;                      // for error reports
   std::uint32_t attempt = 1;             // 1 + republishes so far
   std::vector<std::string> recovered_errors;
+  // Direct mode: placed bytes the plan expects per chunk (from the TP layout alone) and what
+  // the ranks reported writing, on their own device and across devices.
+  bool direct = false;
+  std::vector<std::uint64_t> direct_placed;
+  std::uint64_t bytes_local = 0;
+  std::uint64_t bytes_cross = 0;
 };
 
 // A failed publication waiting for the supervisor's fresh runtime, to be published again.
@@ -120,6 +126,10 @@ sync_coordinator(sync_coordinator_impl::stateful_pointer<sync_coordinator_state>
 // The expected resident digests of registered weights: every rank's manifest-phase digest
 // terms (flattened [tp][resident]) added to the zero digests. Throws std::runtime_error when a
 // rank's terms do not fit the layout.
+// Preflight of attempt `ctx` (sync_preflight.cpp): fills ctx.plan (and, in direct mode,
+// ctx.direct_placed); a preflight_failed error naming what does not fit, or none.
+caf::error preflight(const sync_coordinator_state& st, publication_ctx& ctx);
+
 std::vector<receipt> expected_from_terms(const model::model_config& model, std::uint32_t tp,
                                          const std::vector<rank_report>& reports);
 std::vector<receipt> expected_resident_checksums(const model::model_config& model,

@@ -71,6 +71,17 @@ struct source_view {
       return registered->item(i, out);
     return {shards->data(i), shards->spec(i).padded_bytes(), out, {}};
   }
+  // Direct mode: the canonical bytes of tensor i this rank owns and where they are (its
+  // FSDP2 chunk; a replicated tensor's own chunk; the experts of a fused parameter it holds).
+  std::pair<const std::byte*, publication::owned_piece> owned(std::size_t i,
+                                                              std::uint32_t rank) const {
+    if (registered) {
+      auto it = registered->item(i, nullptr);
+      return {it.shard, {publication::piece_offset(it, rank), it.shard_bytes}};
+    }
+    const auto& spec = shards->spec(i);
+    return {shards->data(i), {spec.row_begin * spec.row_bytes, spec.real_bytes()}};
+  }
 };
 
 source_view view_of(const trainer_rank_options& o,
@@ -102,7 +113,9 @@ rank_report run_prepare(const trainer_rank_options& o, const source_view& shards
                          + " tensors, manifest " + fingerprint.substr(0, 12)
                          + ") differs from the publication's (" + std::to_string(s.spec.tensor_count)
                          + " tensors, manifest " + s.spec.manifest_fingerprint.substr(0, 12) + ")");
-    s.plan = publication::plan_chunks(expected, s.spec.buffer_bytes, o.world);
+    // Direct mode groups canonical tensors by their own bytes (no gather slots).
+    s.plan = publication::plan_chunks(expected, s.spec.buffer_bytes,
+                                      s.spec.mode == "direct" ? 1 : o.world);
     if (s.plan.chunks.size() != s.spec.chunk_count)
       return failed(r, "this rank plans " + std::to_string(s.plan.chunks.size())
                          + " chunks, the coordinator " + std::to_string(s.spec.chunk_count));
@@ -111,8 +124,32 @@ rank_report run_prepare(const trainer_rank_options& o, const source_view& shards
     for (std::size_t i = 0; i < shards.params().size(); ++i)
       if (!drop || shards.params()[i].name != drop->tensor)
         s.stream.push_back(i);
-    s.pool = publication::make_buffer_pool(shards.device(), s.spec.buffer_count,
-                                           s.spec.buffer_bytes);
+    if (s.spec.mode == "direct") {
+      // Direct mode: no packed buffers; every TP worker's resident arena, opened once.
+      if (s.spec.targets.size() != s.spec.tp)
+        return failed(r, std::to_string(s.spec.targets.size()) + " resident arenas for TP "
+                           + std::to_string(s.spec.tp));
+      s.layout = std::make_shared<model::tp_layout>(o.model, s.spec.tp);
+      s.offsets = publication::resident_offsets(*s.layout);
+      const auto arena = publication::resident_arena_bytes(*s.layout);
+      for (std::uint32_t t = 0; t < s.spec.tp; ++t) {
+        const auto& h = s.spec.targets[t];
+        if (h.buffer_index != t || h.size != arena)
+          return failed(r, "resident arena " + std::to_string(t) + " is announced as TP rank "
+                             + std::to_string(h.buffer_index) + " with " + std::to_string(h.size)
+                             + " bytes; the layout has " + std::to_string(arena) + " bytes");
+        try {
+          s.targets.push_back(publication::open_resident_target(
+            shards.device(), h.handle, h.size, static_cast<int>(s.spec.runtime_pid)));
+        } catch (const std::exception& e) {
+          return failed(r, "resident arena of TP worker " + std::to_string(t) + ": " + e.what());
+        }
+      }
+      s.writer = publication::make_direct_writer(shards.device());
+    } else {
+      s.pool = publication::make_buffer_pool(shards.device(), s.spec.buffer_count,
+                                             s.spec.buffer_bytes);
+    }
     auto deadline = std::chrono::steady_clock::now()
                     + std::chrono::milliseconds(o.collective_timeout_ms);
     if (auto status = s.coll->prepare(o.rank, deadline); !status.ok)
@@ -121,6 +158,42 @@ rank_report run_prepare(const trainer_rank_options& o, const source_view& shards
   } catch (const std::exception& e) {
     return failed(r, std::string("prepare: ") + e.what());
   }
+}
+
+// Direct mode: this rank's moves of chunk k, each from its own memory straight into the TP
+// worker's resident arena (a byte crosses devices only when that worker is not on this rank's
+// device). Bounds are checked before anything is written.
+rank_report write_direct(const trainer_rank_options& o, rank_session& s, std::uint32_t k,
+                         const std::vector<std::pair<const std::byte*, publication::direct_move>>& moves,
+                         rank_report r) {
+  std::size_t limit = moves.size();
+  const auto* fail_copy = find_fault(s, "fail_copy");
+  if (fail_copy && fail_copy->chunk == k)
+    limit = moves.size() / 2; // test-only: half of the chunk lands, then the write fails
+  try {
+    for (const auto& [src, m] : moves) {
+      const auto& target = *s.targets.at(m.tp_rank);
+      const std::uint64_t last = m.rows == 0 ? 0 : (m.rows - 1) * m.dst_stride + m.row_bytes;
+      if (m.dst_offset > target.size() || last > target.size() - m.dst_offset)
+        return failed(r, "a direct move of chunk " + std::to_string(k) + " ends past the "
+                           + std::to_string(target.size()) + "-byte resident arena of TP worker "
+                           + std::to_string(m.tp_rank));
+    }
+    for (std::size_t i = 0; i < limit; ++i) {
+      const auto& [src, m] = moves[i];
+      s.writer->add(s.targets[m.tp_rank]->data() + m.dst_offset, m.dst_stride, src + m.src_offset,
+                    m.src_stride, m.row_bytes, m.rows);
+      (m.tp_rank == o.rank ? r.moved_local : r.moved_cross) += m.bytes();
+    }
+    s.writer->finish();
+  } catch (const std::exception& e) {
+    return failed(r, "direct write of chunk " + std::to_string(k) + ": " + e.what());
+  }
+  if (limit != moves.size())
+    return failed(r, "injected copy failure after " + std::to_string(limit) + " of "
+                       + std::to_string(moves.size()) + " direct moves of chunk "
+                       + std::to_string(k));
+  return r;
 }
 
 // Worker-thread side of `materialize`: emit the chunk's tensors, check each against the plan
@@ -136,8 +209,10 @@ rank_report run_materialize(const trainer_rank_options& o, const std::string& uu
   if (const auto* f = find_fault(s, "fail_materialize"); f && f->chunk == k)
     return failed(r, "injected materialization failure at chunk " + std::to_string(k));
   const auto& chunk = s.plan.chunks[k];
-  auto slot = k % s.pool->count();
-  std::byte* buffer = s.pool->data(slot);
+  const bool direct = s.spec.mode == "direct";
+  auto slot = direct ? 0 : k % s.pool->count();
+  std::byte* buffer = direct ? nullptr : s.pool->data(slot);
+  std::vector<std::pair<const std::byte*, publication::direct_move>> moves;
   const auto* wrong_shape = find_fault(s, "wrong_shape");
   std::vector<publication::gather_item> items;
   for (const auto& planned : chunk.tensors) {
@@ -156,15 +231,23 @@ rank_report run_materialize(const trainer_rank_options& o, const std::string& uu
                          + model::dtype_name(emitted.dt) + ", the plan expects "
                          + shape_string(planned.meta.shape) + " "
                          + model::dtype_name(planned.meta.dt));
-    items.push_back(shards.item(index, buffer + planned.offset));
+    if (direct) {
+      auto [src, piece] = shards.owned(index, o.rank);
+      for (const auto& m : publication::plan_moves(*s.layout, s.offsets, planned.meta, piece))
+        moves.emplace_back(src, m);
+    } else {
+      items.push_back(shards.item(index, buffer + planned.offset));
+    }
     tensor_meta tm;
     tm.name = planned.meta.name;
     tm.shape = planned.meta.shape;
     tm.dtype = static_cast<std::uint8_t>(planned.meta.dt);
-    tm.offset = planned.offset;
+    tm.offset = direct ? 0 : planned.offset;
     tm.nbytes = planned.meta.nbytes();
     r.tensors.push_back(std::move(tm));
   }
+  if (direct)
+    return write_direct(o, s, k, moves, std::move(r));
   auto deadline = std::chrono::steady_clock::now()
                   + std::chrono::milliseconds(o.collective_timeout_ms);
   const auto gather_start = trace::start();
@@ -349,7 +432,7 @@ trainer_rank_impl::behavior_type trainer_rank(self_ptr self, trainer_rank_option
       auto& st = self->state;
       if (!st.session || st.session->spec.publication_id != r.phase.publication_id)
         return; // aborted meanwhile: the gate already failed this publication
-      if (r.ok && r.phase.k() == phase_kind::materialize) {
+      if (r.ok && r.phase.k() == phase_kind::materialize && st.session->spec.mode != "direct") {
         std::uint64_t bytes = 0;
         for (const auto& t : r.tensors)
           bytes = std::max<std::uint64_t>(bytes, t.offset + t.nbytes);

@@ -21,6 +21,8 @@
 #include "runtime/publication/chunk_plan.hpp"
 #include "runtime/publication/collective_registry.hpp"
 #include "runtime/publication/backend.hpp"
+#include "runtime/publication/direct_backend.hpp"
+#include "runtime/publication/direct_plan.hpp"
 #include "runtime/publication/registered.hpp"
 #include "runtime/publication/shard.hpp"
 #include "runtime/control/worker_thread.hpp"
@@ -55,6 +57,12 @@ struct rank_session {
   std::size_t cursor = 0;
   std::vector<model::param_meta> emitted;  // the actual manifest
   std::vector<config::trainer_fault> faults; // test-only faults armed for this publication
+  // Direct mode (spec.mode == "direct"): every TP worker's resident arena, opened for writing
+  // in prepare and closed with the session; the TP layout and arena offsets of the moves.
+  std::vector<std::unique_ptr<publication::resident_target>> targets;
+  std::unique_ptr<publication::direct_writer> writer;
+  std::shared_ptr<const model::tp_layout> layout;
+  std::vector<std::uint64_t> offsets;
 };
 
 using trainer_rank_impl = trainer_rank_actor::extend<

@@ -25,6 +25,8 @@ struct worker_info {
   std::uint64_t resident_tensor_count = 0;
   std::uint32_t producer_buffers_open = 0;
   std::uint64_t producer_buffers_opened = 0;
+  std::string resident_export;            // direct mode: the worker's resident arena handle
+  std::uint64_t resident_export_bytes = 0;
 };
 
 template <class Inspector>
@@ -32,7 +34,7 @@ typename Inspector::result_type inspect(Inspector& f, worker_info& x) {
   return f(caf::meta::type_name("worker_info"), x.rank, x.device_index, x.device_uuid,
            x.weight_bytes_resident, x.kv_cache_bytes_resident, x.weight_bytes_offloaded,
            x.device_free_bytes, x.resident_tensor_count, x.producer_buffers_open,
-           x.producer_buffers_opened);
+           x.producer_buffers_opened, x.resident_export, x.resident_export_bytes);
 }
 
 struct runtime_description {
@@ -186,11 +188,13 @@ struct transfer_init {
   std::string transport; // "shm" | "cuda_ipc"
   std::uint64_t buffer_bytes = 0;
   std::uint32_t buffer_count = 0;
+  std::string mode = "packed"; // "packed" | "direct" (publication.mode)
 };
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, transfer_init& x) {
-  return f(caf::meta::type_name("transfer_init"), x.transport, x.buffer_bytes, x.buffer_count);
+  return f(caf::meta::type_name("transfer_init"), x.transport, x.buffer_bytes, x.buffer_count,
+           x.mode);
 }
 
 struct publication_header {
@@ -206,13 +210,14 @@ struct publication_header {
   // Ordered like device_uuids: the process of trainer rank r, whose memfd handles alone TP
   // worker r maps (host transport).
   std::vector<std::uint32_t> producer_pids;
+  std::string mode = "packed"; // "packed" | "direct"
 };
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, publication_header& x) {
   return f(caf::meta::type_name("publication_header"), x.protocol_version, x.transport,
            x.publication_id, x.model_version, x.tp_world_size, x.manifest_fingerprint,
-           x.device_uuids, x.expected_tensor_count, x.verify, x.producer_pids);
+           x.device_uuids, x.expected_tensor_count, x.verify, x.producer_pids, x.mode);
 }
 
 struct tensor_meta {
@@ -360,12 +365,16 @@ struct rank_report {
   // manifest, registered weights with verify: this rank's digest terms per TP worker and
   // resident tensor (flattened [tp][resident], see publication::registered_weights)
   std::vector<std::uint64_t> digest_terms;
+  // materialize, direct mode: placed bytes this rank wrote into the TP worker on its own
+  // device (local) and into the other TP workers (cross)
+  std::uint64_t moved_local = 0;
+  std::uint64_t moved_cross = 0;
 };
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, rank_report& x) {
   return f(caf::meta::type_name("rank_report"), x.phase, x.rank, x.ok, x.error, x.tensors,
-           x.handles, x.fingerprint, x.tensor_count, x.digest_terms);
+           x.handles, x.fingerprint, x.tensor_count, x.digest_terms, x.moved_local, x.moved_cross);
 }
 
 // The failure the gate hands to every rank and to the coordinator.
@@ -414,13 +423,19 @@ struct publication_spec {
   std::uint32_t world = 0;
   std::uint32_t tp = 0;  // the runtime's TP size (registered weights: digest terms per worker)
   bool verify = false;   // publication.verify: registered ranks report digest terms
+  // Direct mode: every TP worker's exported resident arena (buffer_index = TP rank, size =
+  // arena bytes), opened for writing by every rank; runtime_pid: the only process whose
+  // memfds a rank opens.
+  std::string mode = "packed";
+  std::vector<buffer_handle> targets;
+  std::uint32_t runtime_pid = 0;
 };
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, publication_spec& x) {
   return f(caf::meta::type_name("publication_spec"), x.publication_id, x.model_version,
            x.manifest_fingerprint, x.tensor_count, x.buffer_bytes, x.buffer_count,
-           x.chunk_count, x.world, x.tp, x.verify);
+           x.chunk_count, x.world, x.tp, x.verify, x.mode, x.targets, x.runtime_pid);
 }
 
 // The committed result, handed to every rank (validation point 7) and to the caller.
@@ -438,13 +453,19 @@ struct publication_result {
   std::vector<receipt> receipts;
   std::uint32_t attempts = 1;         // > 1: earlier attempts failed and were republished
   std::vector<std::string> recovered_errors; // why each earlier attempt failed
+  std::string mode = "packed";        // publication.mode
+  // Direct mode: placed bytes written by a rank into its own device's TP worker (local) and
+  // into another device's (cross); packed mode: 0.
+  std::uint64_t bytes_local = 0;
+  std::uint64_t bytes_cross = 0;
 };
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, publication_result& x) {
   return f(caf::meta::type_name("publication_result"), x.publication_id, x.model_version,
            x.manifest_fingerprint, x.tensors, x.bytes, x.chunks, x.trainer_ranks, x.tp,
-           x.seconds, x.peak_buffer_bytes, x.receipts, x.attempts, x.recovered_errors);
+           x.seconds, x.peak_buffer_bytes, x.receipts, x.attempts, x.recovered_errors, x.mode,
+           x.bytes_local, x.bytes_cross);
 }
 
 // SyncCoordinator's publication state machine (the seed's states).

@@ -762,11 +762,23 @@ TEST(ConfigTransport, FollowsTheDevicesWhenLeftOutAndMustMatchThemWhenGiven) {
                "transport 'cuda_ipc' needs cuda:N devices, but runtime.devices[0] is 'cpu:0'");
 }
 
+TEST(ConfigMode, PackedByDefaultDirectOnRequestAnythingElseNamesTheKey) {
+  EXPECT_EQ(config::parse_yaml(tiny_model).publication.mode, "packed");
+  EXPECT_EQ(config::parse_yaml(tiny_model + "publication: {mode: direct}\n").publication.mode,
+            "direct");
+  expect_error(tiny_model + "publication: {mode: staged}\n", "publication.mode", "staged");
+  // The direct write fault needs the direct mode.
+  expect_error(tiny_model + "trainer: {faults: [{rank: 0, kind: fail_copy, chunk: 1}]}\n",
+               "trainer.faults[0].kind", "needs publication.mode direct");
+  const auto emitted = config::to_yaml(config::parse_yaml(tiny_model + "publication: {mode: direct}\n"));
+  EXPECT_EQ(config::parse_yaml(emitted).publication.mode, "direct") << "to_yaml keeps the mode";
+}
+
 // Every shipped recipe is valid, and its transport matches its devices.
 TEST(ConfigRecipes, EveryShippedRecipeLoads) {
   for (const char* file : {"/configs/tiny-cpu.yaml", "/configs/tiny-synthetic.yaml", "/configs/bench-cpu.yaml",
                            "/configs/tiny-gpu.yaml", "/configs/qwen3-30b-a3b.yaml",
-                           "/configs/qwen3-30b-a3b-tp4.yaml"}) {
+                           "/configs/qwen3-30b-a3b-tp4.yaml", "/configs/qwen3-30b-a3b-tp1.yaml"}) {
     const auto cfg = config::load_file(source_dir + file);
     const bool gpu = cfg.runtime.devices.front().rfind("cuda:", 0) == 0;
     EXPECT_EQ(cfg.publication.transport, gpu ? "cuda_ipc" : "shm") << file;

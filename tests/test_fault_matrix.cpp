@@ -2,6 +2,8 @@
 // fault kind, injected into the first runtime incarnation, with the real refit-runtime child.
 #include "publication_fixture.hpp"
 
+#include "runtime/publication/direct_backend.hpp"
+
 using namespace refit;
 using namespace refit::testing;
 
@@ -15,6 +17,7 @@ struct matrix_case {
   const char* command;
   const char* kind;
   std::uint32_t after;
+  const char* mode = "packed"; // publication.mode
 };
 
 class PublicationFaultMatrix : public Publication,
@@ -28,6 +31,7 @@ TEST_P(PublicationFaultMatrix, FailStopLeavesNothingBehind) {
   cfg.runtime.timeouts_ms.finish_weight_update = 400;
   cfg.runtime.timeouts_ms.release_ipc = 400;
   cfg.runtime.faults = {{c.command, c.kind, c.after, 1}};
+  cfg.publication.mode = c.mode;
   auto shm_before = shm_entries();
   start();
   auto fds_before = fd_count();
@@ -39,6 +43,8 @@ TEST_P(PublicationFaultMatrix, FailStopLeavesNothingBehind) {
   EXPECT_TRUE(proc::processes_in_group(pid).empty());
   EXPECT_EQ(::kill(pid, 0), -1) << "reaped";
   EXPECT_TRUE(engine().needs_publication);
+  // Direct mode: every rank closed its mappings of the dead runtime's resident arenas.
+  EXPECT_EQ(publication::open_resident_targets(), 0u);
   for (const auto& r : pub.ranks)
     EXPECT_LE(ask<rank_info>(r, describe_atom::value)->peak_materialized_bytes,
               cfg.publication.buffer_count * cfg.publication.buffer_bytes);
@@ -66,13 +72,24 @@ std::vector<matrix_case> matrix() {
     out.push_back({"finish_weight_update", kind, 0});
     out.push_back({"release_ipc", kind, 0});
   }
+  // Direct mode: the runtime fails or dies while the ranks write its exported arenas (the 1st
+  // and 3rd update_weights answer chunks the ranks already wrote, while the next is written).
+  for (const char* kind : {"error", "exit", "sigkill", "wrong_result"}) {
+    out.push_back({"init_weight_transfer", kind, 0, "direct"});
+    out.push_back({"start_weight_update", kind, 0, "direct"});
+    out.push_back({"update_weights", kind, 0, "direct"});
+    out.push_back({"update_weights", kind, 2, "direct"});
+    out.push_back({"finish_weight_update", kind, 0, "direct"});
+    out.push_back({"release_ipc", kind, 0, "direct"});
+  }
   return out;
 }
 
 INSTANTIATE_TEST_SUITE_P(Matrix, PublicationFaultMatrix, ::testing::ValuesIn(matrix()),
                          [](const auto& info) {
                            return std::string(info.param.command) + "_" + info.param.kind + "_"
-                                  + std::to_string(info.param.after);
+                                  + std::to_string(info.param.after)
+                                  + (std::string(info.param.mode) == "direct" ? "_direct" : "");
                          });
 
 } // namespace

@@ -12,6 +12,7 @@
 #include "runtime/publication/backend.hpp"
 #include "runtime/publication/shard.hpp"
 #include "publication_fixture.hpp"
+#include "runtime/publication/direct_backend.hpp"
 
 namespace refit::testing {
 namespace {
@@ -232,6 +233,70 @@ TEST_F(GpuPublication, PermutedDevicesFindTheirHandlesByUuid) {
   EXPECT_EQ(d->workers[1].device_uuid, cuda::device_uuid(0));
   EXPECT_NE(cuda::device_uuid(0), cuda::device_uuid(1));
   publish_three_times(2);
+}
+
+// Direct publication over CUDA IPC: the runtime exports its resident arena, the trainer rank
+// opens it on its own GPU and writes every placement with one batched copy per chunk.
+class GpuDirectPublication : public GpuPublication {
+protected:
+  void publish_direct(std::uint32_t tp) {
+    for (std::uint64_t v = 1; v <= 3; ++v) {
+      if (v > 1)
+        step_all();
+      auto res = publish(v);
+      ASSERT_TRUE(res) << "version " << v << ": " << render(res.error());
+      EXPECT_EQ(res->mode, "direct");
+      EXPECT_GT(res->chunks, 1u);
+      EXPECT_EQ(res->peak_buffer_bytes, 0u);
+      if (tp == 1) {
+        EXPECT_EQ(res->bytes_local, res->bytes) << "one copy per byte at world 1";
+        EXPECT_EQ(res->bytes_cross, 0u);
+      }
+      expect_byte_exact(*res, tp);
+      auto d = ask<runtime_description>(rollout.engine, describe_atom::value);
+      ASSERT_TRUE(d);
+      for (const auto& w : d->workers) {
+        EXPECT_EQ(w.producer_buffers_open, 0u);
+        EXPECT_TRUE(w.resident_export.empty());
+      }
+      EXPECT_EQ(publication::open_resident_targets(), 0u) << "IPC handles closed";
+      EXPECT_EQ(cuda::ipc_view::open_count(), 0u);
+    }
+  }
+};
+
+TEST_F(GpuDirectPublication, ByteExactTp1) {
+  REQUIRE_GPUS(1);
+  cfg = gpu_config({"cuda:0"});
+  cfg.publication.mode = "direct";
+  config::validate(cfg);
+  start();
+  publish_direct(1);
+}
+
+TEST_F(GpuDirectPublication, ByteExactTp2) {
+  REQUIRE_GPUS(2);
+  cfg = gpu_config({"cuda:0", "cuda:1"});
+  cfg.publication.mode = "direct";
+  config::validate(cfg);
+  start();
+  publish_direct(2);
+}
+
+TEST_F(GpuDirectPublication, AFailedCopyPoisonsAndTheNextPublicationCommits) {
+  REQUIRE_GPUS(1);
+  cfg = gpu_config({"cuda:0"});
+  cfg.publication.mode = "direct";
+  cfg.trainer.faults = {{0, "fail_copy", "", 1, false}};
+  config::validate(cfg);
+  start();
+  auto pid = runtime_pid();
+  auto res = publish(1);
+  expect_poisoned(res, errc::gate_failed, "injected copy failure", pid);
+  EXPECT_EQ(publication::open_resident_targets(), 0u);
+  auto again = publish(2);
+  ASSERT_TRUE(again) << render(again.error());
+  expect_byte_exact(*again, 1);
 }
 
 TEST_F(GpuPublication, FailedChunkOnOneRankPoisonsWithoutHang) {

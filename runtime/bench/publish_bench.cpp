@@ -215,6 +215,7 @@ private:
   refit::sync_coordinator_actor verifier_;
   bool started_ = false;
   std::vector<double> nccl_bound_; // GPU: NCCL all-gather bound samples (seconds)
+  std::vector<double> copy_bound_; // GPU: single device-copy bound samples (seconds)
   std::vector<std::unique_ptr<fsdp_memory>> memory_; // --source registered: the ranks' memory
   std::vector<trainer_memory> trainer_memory_;        // one per phase
   std::uint64_t next_version_ = 1;
@@ -385,9 +386,13 @@ json bench::run() {
     if (on_gpu()) {
       // The NCCL bound, with the runtime and ranks still holding their memory (as during the
       // publications): the same output bytes per rank, in `chunks` equal all-gathers.
-      for (unsigned i = 0; i < opts_.bound_reps; ++i)
+      for (unsigned i = 0; i < opts_.bound_reps; ++i) {
         nccl_bound_.push_back(refit::cuda::allgather_seconds(
           trainer_ordinals(), runs.front().res.bytes, runs.front().res.chunks));
+        // The copy bound: one device copy of the published bytes on the first trainer GPU.
+        copy_bound_.push_back(
+          refit::cuda::copy_seconds(trainer_ordinals().front(), runs.front().res.bytes));
+      }
     }
 #else
     if (on_gpu())
@@ -404,9 +409,15 @@ json bench::run() {
   for (const auto& r : runs)
     seconds_all.push_back(r.res.seconds);
   const double seconds = median(seconds_all);
-  const std::vector<double> bound_all = on_gpu() ? nccl_bound_ : bound->seconds();
+  // The copy bound: a device copy (CPU: a memcpy) of the published bytes. At world 1 it is
+  // the bound (an all-gather among one rank moves nothing); at world > 1 on GPUs the NCCL
+  // all-gather bound is the main one and the copy bound is reported next to it.
+  const std::vector<double> copy_all = on_gpu() ? copy_bound_ : bound->seconds();
+  const bool world1 = first.trainer_ranks == 1;
+  const std::vector<double> bound_all = on_gpu() && !world1 ? nccl_bound_ : copy_all;
   bound.reset();
   const double bound_seconds = median(bound_all);
+  const double copy_seconds = median(copy_all);
   const double gbps = first.bytes / seconds / 1e9;
   const double bound_gbps = first.bytes / bound_seconds / 1e9;
 
@@ -443,8 +454,29 @@ json bench::run() {
   out["gbps"] = gbps;
   out["bound_gbps"] = bound_gbps;
   out["ratio"] = gbps / bound_gbps;
+  out["mode"] = cfg_.publication.mode;
+  out["bytes_local"] = first.bytes_local;
+  out["bytes_cross"] = first.bytes_cross;
+  out["copy_bound_seconds"] = copy_seconds;
+  out["copy_bound_gbps"] = first.bytes / copy_seconds / 1e9;
+  out["ratio_to_copy"] = copy_seconds / seconds;
+  out["copy_bound_method"]
+    = on_gpu() ? "median of " + std::to_string(copy_all.size())
+                   + " device-to-device copies of `bytes` bytes on the first trainer GPU "
+                     "(cudaMemcpyAsync of 1 GiB pieces back to back, one untimed warm-up), "
+                     "measured after the timed publications"
+               : "the memcpy bound (bound_seconds)";
+  if (on_gpu()) {
+    const double ag = median(nccl_bound_);
+    out["allgather_bound_seconds"] = ag;
+    out["allgather_bound_gbps"] = first.bytes / ag / 1e9;
+    out["ratio_to_allgather"] = ag / seconds;
+  }
   out["bound_method"]
-    = on_gpu()
+    = on_gpu() && world1
+        ? std::string("the copy bound (copy_bound_method): at world 1 an all-gather moves "
+                      "nothing")
+    : on_gpu()
         ? "median of " + std::to_string(bound_all.size())
             + " NCCL all-gathers of `bytes` output bytes per rank among the trainer ranks' GPUs "
               "(one communicator per GPU in this process, as `chunks` equal grouped "
@@ -486,6 +518,11 @@ json bench::run() {
     {"planned_packed_buffer_bytes", planned_buffers},
     {"peak_buffer_bytes_per_rank", first.peak_buffer_bytes},
   };
+  if (cfg_.publication.mode == "direct")
+    out["peak_extra"]["direct_mode"]
+      = "no packed buffer exists (peak_buffer_bytes_per_rank 0); trainer_process_bytes counts the "
+        "runtime's resident arenas mapped into this process as the ranks write them (shared "
+        "memfd pages of the runtime's own memory, RssShmem), not an allocation";
   if (on_gpu()) {
     std::uint64_t worst = 0;
     json all = json::array();
@@ -595,12 +632,20 @@ void print_table(const json& r) {
   std::printf("  median             %.3f s  ->  %.2f GB/s\n", r["seconds"].get<double>(),
               r["gbps"].get<double>());
   std::printf("  %s %.3f s  ->  %.2f GB/s (%s)\n",
-              r["transport"] == "cuda_ipc" ? "all-gather bound  " : "memcpy bound      ",
+              r["transport"] == "cuda_ipc" && r["trainer_ranks"].get<unsigned>() > 1
+                ? "all-gather bound  "
+                : r["transport"] == "cuda_ipc" ? "copy bound        " : "memcpy bound      ",
               r["bound_seconds"].get<double>(), r["bound_gbps"].get<double>(), "median");
   if (r.contains("peak_extra_device_bytes"))
     std::printf("  peak extra device  %s (bar: %s)\n", mib(r["peak_extra_device_bytes"]).c_str(),
                 mib(r["peak_extra_device_bar_bytes"]).c_str());
   std::printf("  ratio              %.3f\n", r["ratio"].get<double>());
+  std::printf("  mode               %s: %s placed locally, %s across devices\n",
+              r["mode"].get<std::string>().c_str(), mib(r["bytes_local"]).c_str(),
+              mib(r["bytes_cross"]).c_str());
+  std::printf("  copy bound         %.4f s  ->  %.2f GB/s (ratio %.3f)\n",
+              r["copy_bound_seconds"].get<double>(), r["copy_bound_gbps"].get<double>(),
+              r["ratio_to_copy"].get<double>());
   std::printf("  peak extra memory  %s (trainer process %s, runtime process %s; planned "
               "packed buffers %s)\n",
               mib(r["peak_extra_bytes"]).c_str(),
@@ -624,7 +669,16 @@ void print_table(const json& r) {
 
 json run_publish(const publish_options& o, const config::refit_config& cfg,
                  const std::string& runtime_exe) {
-  bench b{o, cfg, runtime_exe};
+  auto c = cfg;
+  if (!o.mode.empty()) {
+    c.publication.mode = o.mode;
+    try {
+      config::validate(c);
+    } catch (const std::exception& e) {
+      throw bench_error(std::string("--mode ") + o.mode + ": " + e.what());
+    }
+  }
+  bench b{o, c, runtime_exe};
   return b.run();
 }
 

@@ -23,6 +23,8 @@ struct publish_options {
   // --source registered: rounds of (synthetic, registered) phases of `iterations`
   // publications each, in one run (source_compare.hpp); other sources: repeated phases.
   unsigned rounds = 1;
+  // publication.mode for this run: "packed", "direct", or "" (the recipe's).
+  std::string mode;
   bool as_json = false;
 };
 

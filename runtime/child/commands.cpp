@@ -59,6 +59,8 @@ pb::DescribeResult server::describe() {
     info->set_resident_tensor_count(weights_valid_ ? r.resident_tensors : 0);
     info->set_producer_buffers_open(r.producer_buffers_open);
     info->set_producer_buffers_opened(r.producer_buffers_opened);
+    info->set_resident_export(r.resident_export);
+    info->set_resident_export_bytes(r.resident_export_bytes);
     weights_awake = weights_awake && r.weights_resident;
     kv_cache_awake = kv_cache_awake && r.kv_cache_resident;
   }
@@ -78,6 +80,10 @@ pb::DescribeResult server::describe() {
 }
 
 pb::MemoryResult server::sleep(const pb::SleepRequest& request) {
+  if (transfer_.exported())
+    throw command_error(pb::ERROR_CODE_INVALID_STATE, "sleep",
+                        "cannot sleep while the resident weights are exported for a direct "
+                        "publication; release_ipc first");
   if (const pb::PublicationHeader* open = transfer_.open_publication())
     throw command_error(pb::ERROR_CODE_INVALID_STATE, "sleep",
                         "cannot sleep while publication '" + open->publication_id()
@@ -337,7 +343,12 @@ pb::ScoreResult server::score(const pb::ScoreRequest& request) {
 pb::InitWeightTransferResult server::init_weight_transfer(
   const pb::InitWeightTransferRequest& request) {
   require_weights_awake("init_weight_transfer");
-  return transfer_.init(request);
+  pb::InitWeightTransferResult result = transfer_.init(request);
+  // Direct mode: trainer ranks may write the exported arenas from now on; only a finished
+  // publication makes them valid again.
+  if (transfer_.exported())
+    weights_valid_ = false;
+  return result;
 }
 
 pb::StartWeightUpdateResult server::start_weight_update(

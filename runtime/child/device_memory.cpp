@@ -2,8 +2,13 @@
 
 #include "runtime/model/digest.hpp"
 #include "runtime/publication/host_buffer.hpp"
+#include "runtime/publication/memfd.hpp"
+
+#include <fcntl.h>
 
 #include <cerrno>
+#include <map>
+#include <mutex>
 #include <stdexcept>
 #include <sys/mman.h>
 #include <system_error>
@@ -42,6 +47,51 @@ public:
     for (std::uint64_t offset = 0; offset < bytes; offset += page_bytes_)
       *static_cast<volatile std::byte*>(data + offset) = std::byte{0};
     return device_buffer(*this, data, bytes);
+  }
+
+  device_buffer alloc_exportable(std::uint64_t bytes, const std::string& what) override {
+    if (bytes == 0)
+      throw std::invalid_argument(device::to_string(device()) + ": zero-byte allocation for "
+                                  + what);
+    const std::string label = device::to_string(device()) + " " + what;
+    int fd = publication::create_sealable_memfd("refit-resident", label);
+    if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+      const int err = errno;
+      ::close(fd);
+      throw_errno(err, label + ": cannot size the memfd to " + std::to_string(bytes) + " bytes");
+    }
+    try {
+      // Sealed before any handle exists: a writer's mapping can never turn into SIGBUS.
+      publication::add_seals(fd, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL, label);
+    } catch (...) {
+      ::close(fd);
+      throw;
+    }
+    void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) {
+      const int err = errno;
+      ::close(fd);
+      throw_errno(err, label + ": cannot map " + std::to_string(bytes) + " bytes");
+    }
+    auto* data = static_cast<std::byte*>(p);
+    for (std::uint64_t offset = 0; offset < bytes; offset += page_bytes_)
+      *static_cast<volatile std::byte*>(data + offset) = std::byte{0};
+    {
+      std::lock_guard<std::mutex> guard(mtx_);
+      exported_fds_[data] = fd;
+    }
+    return device_buffer(*this, data, bytes);
+  }
+
+  std::string export_handle(const device_buffer& buffer) override {
+    std::lock_guard<std::mutex> guard(mtx_);
+    auto found = exported_fds_.find(buffer.data());
+    if (found == exported_fds_.end())
+      throw std::logic_error(device::to_string(device())
+                             + ": this buffer is private memory, not exportable (refit-runtime "
+                               "allocates exportable resident weights with --publication-mode "
+                               "direct)");
+    return "memfd:" + std::to_string(::getpid()) + ":" + std::to_string(found->second);
   }
 
   std::uint64_t free_bytes() const override { return mem_available_bytes(); }
@@ -96,9 +146,18 @@ public:
   }
 
 private:
-  void free(std::byte* data, std::uint64_t bytes) noexcept override { ::munmap(data, bytes); }
+  void free(std::byte* data, std::uint64_t bytes) noexcept override {
+    ::munmap(data, bytes);
+    std::lock_guard<std::mutex> guard(mtx_);
+    if (auto found = exported_fds_.find(data); found != exported_fds_.end()) {
+      ::close(found->second);
+      exported_fds_.erase(found);
+    }
+  }
 
   std::uint64_t page_bytes_;
+  std::mutex mtx_;
+  std::map<std::byte*, int> exported_fds_; // alloc_exportable: mapping -> its memfd
   std::vector<std::byte> scratch_; // synthetic_canonical
 };
 

@@ -103,6 +103,14 @@ public:
   // Allocates `bytes` (> 0) of zero-filled, resident device memory for `what` (used in
   // error messages). Throws std::system_error naming the device, size and purpose.
   virtual device_buffer alloc(std::uint64_t bytes, const std::string& what) = 0;
+  // Like alloc, but memory another process can open through export_handle (direct
+  // publication: trainer ranks write resident weights in place). CPU devices: a sealed memfd
+  // (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) mapped MAP_SHARED, pages touched (it counts
+  // as RssShmem, not RssAnon); CUDA devices: cudaMalloc, as alloc.
+  virtual device_buffer alloc_exportable(std::uint64_t bytes, const std::string& what) = 0;
+  // The handle of `buffer` ("memfd:<pid>:<fd>" / "cudaipc:<uuid>:<bytes>:<hex>"). Throws
+  // std::logic_error if it was not allocated by alloc_exportable (CPU).
+  virtual std::string export_handle(const device_buffer& buffer) = 0;
   // Free memory on the device as this process sees it.
   virtual std::uint64_t free_bytes() const = 0;
   // Physical identity of the device ("CPU-..." / "GPU-..."), as trainer ranks report it.

@@ -31,6 +31,19 @@ public:
     return device_buffer(*this, data, bytes);
   }
 
+  device_buffer alloc_exportable(std::uint64_t bytes, const std::string& what) override {
+    return alloc(bytes, what); // cudaMalloc'ed memory is exportable through CUDA IPC
+  }
+
+  std::string export_handle(const device_buffer& buffer) override {
+    std::lock_guard<std::mutex> guard(mtx_);
+    auto found = live_.find(buffer.data());
+    if (found == live_.end())
+      throw std::logic_error(device::to_string(device()) + ": unknown buffer to export");
+    // Writers open it on their own device: every copy queued here must be done first.
+    return cuda::export_ipc_handle(found->second);
+  }
+
   std::uint64_t free_bytes() const override { return cuda::free_bytes(device().index); }
 
   std::string uuid() const override { return uuid_; }

@@ -55,6 +55,7 @@ struct raw_arguments {
   std::uint64_t seed = 0;
   float init_scale = 0.02f;
   std::string checkpoint;
+  std::string publication_mode = "packed";
   std::vector<std::string> faults;
 };
 
@@ -147,6 +148,10 @@ refit::child::server_options validate(const raw_arguments& args) {
   options.seed = args.seed;
   options.init_scale = args.init_scale;
   options.checkpoint_dir = args.checkpoint;
+  if (args.publication_mode != "packed" && args.publication_mode != "direct")
+    throw option_error("--publication-mode", "'" + args.publication_mode
+                                               + "' is not one of packed, direct");
+  options.exportable_weights = args.publication_mode == "direct";
   for (const auto& text : args.faults) {
     try {
       options.faults.push_back(refit::child::parse_fault(text));
@@ -192,6 +197,9 @@ int main(int argc, char** argv) {
   app.add_option("--checkpoint", args.checkpoint,
                  "a Hugging Face model directory (config.json, *.safetensors) loaded as version 0 "
                  "instead of the synthetic weights");
+  app.add_option("--publication-mode", args.publication_mode,
+                 "packed (default) or direct: resident weights in memory trainer ranks can open "
+                 "and write (direct publication)");
   app.add_option("--fault", args.faults, "test-only fault COMMAND:KIND[:AFTER] (repeatable)");
   bool trace = false;
   app.add_flag("--trace", trace,

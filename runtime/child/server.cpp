@@ -51,7 +51,8 @@ server::server(server_options options)
   for (std::uint32_t rank = 0; rank < tp; ++rank)
     workers_.push_back(std::make_unique<worker>(rank, static_cast<int>(rank),
                                                 options_.devices[rank], layout_,
-                                                options_.kv_cache_bytes));
+                                                options_.kv_cache_bytes,
+                                                options_.exportable_weights));
   on_all_workers(workers_, [](worker& w) {
     w.allocate_weights();
     w.allocate_kv_cache();

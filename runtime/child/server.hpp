@@ -66,6 +66,7 @@ struct server_options {
   std::uint64_t seed = 0;            // synthetic checkpoint weights
   float init_scale = 0.02f;          // their scale (the trainer's trainer.init_scale)
   std::string checkpoint_dir;        // "" = synthetic weights; else a Hugging Face model dir
+  bool exportable_weights = false;   // --publication-mode direct
   std::vector<fault_spec> faults;
 };
 

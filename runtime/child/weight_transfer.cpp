@@ -103,13 +103,34 @@ pb::InitWeightTransferResult weight_transfer::init(const pb::InitWeightTransferR
   if (request.buffer_count() == 0)
     throw command_error(pb::ERROR_CODE_INVALID_ARGUMENT, "init_weight_transfer.buffer_count",
                         "buffer_count must be >= 1");
+  if (request.mode() != pb::PUBLICATION_MODE_PACKED && request.mode() != pb::PUBLICATION_MODE_DIRECT)
+    throw command_error(pb::ERROR_CODE_INVALID_ARGUMENT, "init_weight_transfer.mode",
+                        "publication mode code " + std::to_string(static_cast<int>(request.mode()))
+                          + " is neither PACKED nor DIRECT");
+  if (request.mode() == pb::PUBLICATION_MODE_DIRECT) {
+    for (const auto& w : workers_)
+      if (!w->exportable_weights())
+        throw command_error(pb::ERROR_CODE_INVALID_ARGUMENT, "init_weight_transfer.mode",
+                            "direct publication needs resident weights trainer ranks can open: "
+                            "start refit-runtime with --publication-mode direct "
+                            "(publication.mode: direct)");
+    // Every worker exports its arena; a failure closes the exports made so far.
+    try {
+      on_all_workers(workers_, [](worker& w) { w.export_weights(); });
+    } catch (...) {
+      on_all_workers(workers_, [](worker& w) { w.close_export(); });
+      throw;
+    }
+  }
   session_.emplace();
   session_->transport = request.transport();
   session_->buffer_bytes = request.buffer_bytes();
   session_->buffer_count = request.buffer_count();
+  session_->mode = request.mode();
 
   pb::InitWeightTransferResult result;
   result.set_transport(session_->transport);
+  result.set_mode(session_->mode);
   return result;
 }
 
@@ -153,6 +174,10 @@ void weight_transfer::validate_header(const pb::PublicationHeader& header,
     throw validation("header.protocol_version",
                      "protocol version " + std::to_string(header.protocol_version())
                        + " is not this runtime's " + std::to_string(wire::protocol_version));
+  if (header.mode() != session_->mode)
+    throw validation("header.mode", "publication mode " + pb::PublicationMode_Name(header.mode())
+                                      + " is not the initialized "
+                                      + pb::PublicationMode_Name(session_->mode));
   if (header.transport() != session_->transport)
     throw validation("header.transport", "transport " + quoted(header.transport())
                                            + " is not the initialized "
@@ -229,9 +254,19 @@ pb::UpdateWeightsResult weight_transfer::update(const pb::UpdateWeightsRequest& 
   return failing_publication_on_error([&] {
     publication& pub = require_open("update_weights", request.publication_id());
     validate_chunk_order(pub, request);
-    validate_handles(request);
-    const std::vector<packed_tensor> tensors = claim_tensors(pub, request);
-    on_all_workers(workers_, [&](worker& w) { load_chunk(w, request, tensors); });
+    if (session_->mode == pb::PUBLICATION_MODE_DIRECT) {
+      // The trainer ranks wrote this chunk's placements into the exported arenas before the
+      // chunk was sent (the materialize gate passed): nothing to copy, only to account for.
+      if (request.handles_size() != 0)
+        throw validation("update_weights.handles",
+                         std::to_string(request.handles_size())
+                           + " buffer handles in a direct publication (its chunks carry none)");
+      claim_tensors(pub, request);
+    } else {
+      validate_handles(request);
+      const std::vector<packed_tensor> tensors = claim_tensors(pub, request);
+      on_all_workers(workers_, [&](worker& w) { load_chunk(w, request, tensors); });
+    }
     ++pub.next_chunk;
     if (request.is_last())
       pub.last_chunk = request.chunk_index();
@@ -521,7 +556,7 @@ pb::ReleaseIpcResult weight_transfer::release(const pb::ReleaseIpcRequest& reque
   std::vector<std::uint32_t> closed(workers_.size());
   on_all_workers(workers_, [&closed](worker& w) {
     trace::span traced("unmap");
-    closed[w.rank()] = w.unmap_buffers();
+    closed[w.rank()] = w.unmap_buffers() + w.close_export();
   });
   session_.reset();
 

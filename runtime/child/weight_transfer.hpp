@@ -40,6 +40,9 @@ public:
   // The header of the publication between start and finish (also after it failed), or
   // nullptr: while one is open, resident storage is being written.
   const pb::PublicationHeader* open_publication() const;
+  // Direct mode: the workers' resident arenas are exported (init_weight_transfer with
+  // PUBLICATION_MODE_DIRECT until release_ipc); trainer ranks may be writing them.
+  bool exported() const { return session_ && session_->mode == pb::PUBLICATION_MODE_DIRECT; }
 
   // The caller checks that the weights are awake. Every command throws command_error.
   pb::InitWeightTransferResult init(const pb::InitWeightTransferRequest& request);
@@ -67,6 +70,7 @@ private:
     std::string transport;
     std::uint64_t buffer_bytes = 0;
     std::uint32_t buffer_count = 0;
+    pb::PublicationMode mode = pb::PUBLICATION_MODE_PACKED;
     std::optional<publication> current;
   };
   // A planned tensor of a chunk and where its canonical bytes lie in the packed buffer.

@@ -6,30 +6,23 @@
 #include "runtime/child/command_error.hpp"
 #include "runtime/model/digest.hpp"
 #include "runtime/trace/trace.hpp"
+#include "runtime/publication/direct_plan.hpp"
 
 namespace refit::child {
 
 namespace {
 
-std::vector<std::uint64_t> offsets_of(const model::tp_layout& layout) {
-  std::vector<std::uint64_t> offsets;
-  std::uint64_t offset = 0;
-  for (const auto& r : layout.residents()) {
-    offsets.push_back(offset);
-    offset += r.nbytes;
-  }
-  return offsets;
-}
-
 } // namespace
 
 worker::worker(std::uint32_t rank, int device_index, device::spec device,
-               std::shared_ptr<const model::tp_layout> layout, std::uint64_t kv_cache_bytes)
+               std::shared_ptr<const model::tp_layout> layout, std::uint64_t kv_cache_bytes,
+               bool exportable_weights)
   : rank_(rank),
     device_index_(device_index),
     layout_(std::move(layout)),
     kv_cache_bytes_(kv_cache_bytes),
-    resident_offsets_(offsets_of(*layout_)),
+    exportable_weights_(exportable_weights),
+    resident_offsets_(publication::resident_offsets(*layout_)),
     memory_(open_device_memory(device)),
     device_uuid_(memory_->uuid()),
     thread_([this] { run(); }) {}
@@ -73,6 +66,7 @@ void worker::run() {
 
 void worker::release_memory() {
   mappings_.clear();
+  export_.clear();
   resident_ptrs_.clear();
   weights_.reset();
   engine_.reset();
@@ -90,8 +84,10 @@ void worker::require_weights_resident(const std::string& action) const {
 void worker::allocate_weights() {
   if (weights_)
     return;
-  weights_ = memory_->alloc(layout_->resident_bytes(),
-                            "resident weights of TP rank " + std::to_string(rank_));
+  const std::string what = "resident weights of TP rank " + std::to_string(rank_);
+  weights_ = exportable_weights_
+               ? memory_->alloc_exportable(publication::resident_arena_bytes(*layout_), what)
+               : memory_->alloc(publication::resident_arena_bytes(*layout_), what);
   resident_ptrs_.clear();
   for (std::uint64_t offset : resident_offsets_)
     resident_ptrs_.push_back(weights_.data() + offset);
@@ -127,11 +123,13 @@ void worker::offload_weights() {
   if (!weights_)
     return; // already offloaded (or dropped)
   weights_backup_ = memory_->offload(weights_, "weights of TP rank " + std::to_string(rank_));
+  export_.clear();
   resident_ptrs_.clear();
   weights_.reset();
 }
 
 void worker::discard_weights() {
+  export_.clear();
   resident_ptrs_.clear();
   weights_.reset();
   weights_backup_.reset();
@@ -227,6 +225,8 @@ worker_report worker::report() const {
   r.resident_tensors = weights_ ? resident_ptrs_.size() : 0;
   r.producer_buffers_open = static_cast<std::uint32_t>(mappings_.size());
   r.producer_buffers_opened = mappings_opened_;
+  r.resident_export = export_;
+  r.resident_export_bytes = export_.empty() ? 0 : weights_.size();
   return r;
 }
 
@@ -267,6 +267,25 @@ std::uint32_t worker::unmap_buffers() {
   const auto count = static_cast<std::uint32_t>(mappings_.size());
   mappings_.clear();
   return count;
+}
+
+const std::string& worker::export_weights() {
+  require_weights_resident("export the resident weights");
+  if (!exportable_weights_)
+    throw std::logic_error("worker " + std::to_string(rank_) + " ("
+                           + device::to_string(memory_->device())
+                           + "): resident weights are private memory; direct publication "
+                             "needs refit-runtime started with --publication-mode direct");
+  // Copies still queued on this worker's stream must not race the writers.
+  memory_->synchronize();
+  export_ = memory_->export_handle(weights_);
+  return export_;
+}
+
+std::uint32_t worker::close_export() {
+  const std::uint32_t was = export_.empty() ? 0 : 1;
+  export_.clear();
+  return was;
 }
 
 worker_failure::worker_failure(std::uint32_t rank, const std::string& message)

@@ -44,6 +44,8 @@ struct worker_report {
   std::uint64_t resident_tensors = 0; // tensors in resident weight storage (0 if not resident)
   std::uint32_t producer_buffers_open = 0;
   std::uint64_t producer_buffers_opened = 0;
+  std::string resident_export;            // direct transfer initialized: the arena's handle
+  std::uint64_t resident_export_bytes = 0;
 };
 
 // How wake_weights found or made the weight storage.
@@ -52,8 +54,11 @@ enum class weights_wake { already_resident, restored_from_host, zero_filled };
 class worker {
 public:
   // Worker `rank` on `device` (position `device_index` in the runtime's device list).
+  // `exportable_weights`: resident weights in memory other processes can open for direct
+  // publication (device_memory::alloc_exportable).
   worker(std::uint32_t rank, int device_index, device::spec device,
-         std::shared_ptr<const model::tp_layout> layout, std::uint64_t kv_cache_bytes);
+         std::shared_ptr<const model::tp_layout> layout, std::uint64_t kv_cache_bytes,
+         bool exportable_weights = false);
   // Runs the queued jobs, frees all memory on the worker thread, joins it.
   ~worker();
   worker(const worker&) = delete;
@@ -122,6 +127,14 @@ public:
   std::size_t mapped_buffer_count() const { return mappings_.size(); }
   // Unmaps every producer buffer; returns how many were mapped.
   std::uint32_t unmap_buffers();
+  // Direct publication: the handle of the resident weight arena (weights must be resident
+  // and exportable; throws std::logic_error naming why not). Advertised in report() until
+  // close_export, which returns 1 if it was exported.
+  const std::string& export_weights();
+  std::uint32_t close_export();
+  bool exportable_weights() const { return exportable_weights_; }
+  // Byte offset of every resident tensor inside the arena (publication::resident_offsets).
+  const std::vector<std::uint64_t>& resident_offsets() const { return resident_offsets_; }
 
 private:
   void run();
@@ -136,6 +149,7 @@ private:
   const int device_index_;
   const std::shared_ptr<const model::tp_layout> layout_;
   const std::uint64_t kv_cache_bytes_;
+  const bool exportable_weights_;
   const std::vector<std::uint64_t> resident_offsets_; // byte offset of each resident tensor
   const std::unique_ptr<device_memory> memory_;
   const std::string device_uuid_;
@@ -147,6 +161,7 @@ private:
   host_backup weights_backup_;
   std::map<std::string, std::unique_ptr<producer_view>> mappings_; // by handle string
   std::uint64_t mappings_opened_ = 0;
+  std::string export_; // the arena's handle while exported
 
   std::mutex mutex_;
   std::condition_variable wakeup_;

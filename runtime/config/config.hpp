@@ -74,7 +74,8 @@ struct supervisor_config {
 struct trainer_fault {
   std::uint32_t rank = 0;
   std::string kind;        // drop_tensor | wrong_shape | fail_materialize | never_report |
-                           // wrong_manifest | reject_final | wrong_digest_terms
+                           // wrong_manifest | reject_final | wrong_digest_terms |
+                           // fail_copy (direct mode: half of chunk `chunk` written, then fails)
   std::string tensor;      // drop_tensor / wrong_shape: canonical tensor name
   std::uint32_t chunk = 0; // fail_materialize / never_report: chunk index
   bool repeat = false;     // false: fires in one publication only (a republish then succeeds)
@@ -95,6 +96,10 @@ struct publication_config {
   // shm (memfd, CPU devices) | cuda_ipc (CUDA IPC, GPUs). Left out of a YAML file, it
   // follows runtime.devices[0]'s kind.
   std::string transport = "shm";
+  // packed: trainer ranks all-gather canonical tensors into packed buffers the runtime reads
+  // (the canonical-stream contract). direct: the runtime exports its resident weights and
+  // every rank writes the placements of its own shard bytes straight into them (one copy).
+  std::string mode = "packed";
   bool verify = false;                      // byte-exact verifier after commit
   std::uint32_t gate_deadline_ms = 30000;   // a rank missing a phase by then fails it
   std::uint64_t memory_headroom_bytes = 64u << 20;

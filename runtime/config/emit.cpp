@@ -102,6 +102,7 @@ std::string to_yaml(const refit_config& cfg) {
   line("  buffer_count: " + u(pc.buffer_count));
   line("  transport: " + q(pc.transport));
   line("  verify: " + b(pc.verify));
+  line("  mode: " + q(pc.mode));
   line("  gate_deadline_ms: " + u(pc.gate_deadline_ms));
   line("  memory_headroom_bytes: " + u(pc.memory_headroom_bytes));
   line("  republish_attempts: " + u(pc.republish_attempts));

@@ -431,6 +431,7 @@ void read_publication(yaml_reader& r, const YAML::Node& node, const std::string&
     {"transport",
      [&](const YAML::Node& v, const std::string& p) { pc.transport = r.string(v, p); }},
     {"verify", [&](const YAML::Node& v, const std::string& p) { pc.verify = r.boolean(v, p); }},
+    {"mode", [&](const YAML::Node& v, const std::string& p) { pc.mode = r.string(v, p); }},
     {"gate_deadline_ms",
      [&](const YAML::Node& v, const std::string& p) { pc.gate_deadline_ms = r.u32(v, p); }},
     {"memory_headroom_bytes",

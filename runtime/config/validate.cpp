@@ -123,7 +123,10 @@ void validate_config(const refit_config& cfg, const locator& locate) {
     const trainer_fault& f = tr.faults[i];
     check_one_of(key + ".kind", f.kind,
                  {"drop_tensor", "wrong_shape", "fail_materialize", "never_report",
-                  "wrong_manifest", "reject_final", "wrong_digest_terms"});
+                  "wrong_manifest", "reject_final", "wrong_digest_terms", "fail_copy"});
+    if (f.kind == "fail_copy" && cfg.publication.mode != "direct")
+      fail(key + ".kind", "a fail_copy fault fails a direct write: it needs publication.mode "
+                          "direct");
     if (f.rank >= rt.tp_size)
       fail(key + ".rank", "rank " + std::to_string(f.rank) + " does not exist (runtime.tp_size "
                             + std::to_string(rt.tp_size) + " trainer ranks)");
@@ -135,6 +138,7 @@ void validate_config(const refit_config& cfg, const locator& locate) {
   check_at_least("publication.buffer_bytes", pc.buffer_bytes, 4096);
   check_range("publication.buffer_count", pc.buffer_count, 2, 16);
   check_one_of("publication.transport", pc.transport, {"shm", "cuda_ipc"});
+  check_one_of("publication.mode", pc.mode, {"packed", "direct"});
   // The transport follows the devices: memfd buffers between CPU devices, CUDA IPC between
   // GPUs; trainer ranks and TP workers share their devices (same kind on both sides).
   {

@@ -126,6 +126,8 @@ runtime_description from_proto(const pb::DescribeResult& x) {
     wi.resident_tensor_count = w.resident_tensor_count();
     wi.producer_buffers_open = w.producer_buffers_open();
     wi.producer_buffers_opened = w.producer_buffers_opened();
+    wi.resident_export = w.resident_export();
+    wi.resident_export_bytes = w.resident_export_bytes();
     d.workers.push_back(std::move(wi));
   }
   d.sleep_level = x.sleep_level();
@@ -225,6 +227,7 @@ pb::InitWeightTransferRequest to_proto(const transfer_init& x) {
   out.set_transport(x.transport);
   out.set_buffer_bytes(x.buffer_bytes);
   out.set_buffer_count(x.buffer_count);
+  out.set_mode(x.mode == "direct" ? pb::PUBLICATION_MODE_DIRECT : pb::PUBLICATION_MODE_PACKED);
   return out;
 }
 
@@ -242,6 +245,7 @@ pb::PublicationHeader to_proto(const publication_header& x) {
   out.set_verify(x.verify);
   for (auto pid : x.producer_pids)
     out.add_producer_pids(pid);
+  out.set_mode(x.mode == "direct" ? pb::PUBLICATION_MODE_DIRECT : pb::PUBLICATION_MODE_PACKED);
   return out;
 }
 
@@ -257,6 +261,7 @@ publication_header from_proto(const pb::PublicationHeader& x) {
   out.expected_tensor_count = x.expected_tensor_count();
   out.verify = x.verify();
   out.producer_pids.assign(x.producer_pids().begin(), x.producer_pids().end());
+  out.mode = x.mode() == pb::PUBLICATION_MODE_DIRECT ? "direct" : "packed";
   return out;
 }
 

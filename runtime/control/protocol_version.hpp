@@ -6,9 +6,9 @@
 
 namespace refit::wire {
 
-inline constexpr std::uint32_t protocol_version = 3; // 2: header.producer_pids
+inline constexpr std::uint32_t protocol_version = 4; // 2: header.producer_pids
                                                      // 3: GenerateResult.stats, SCORE
-
+                                                     // 4: publication mode (direct), resident exports
 // Version of the refit wire protocol between trainer processes and the coordinator (the
 // join handshake and every message of messages/net_types.hpp that crosses CAF's network
 // layer). A hello or join with another version is refused with errc::protocol_mismatch.
@@ -18,6 +18,6 @@ inline constexpr std::uint32_t protocol_version = 3; // 2: header.producer_pids
 //    (registered tensors); the registry's generate / sleep / wake.
 // 4: the registry's collective_id (NCCL unique ids of trainer processes on GPUs).
 // 5: generate_result.stats.
-inline constexpr std::uint32_t serve_protocol_version = 5;
-
+// 6: publication_spec, rank_report and publication_result carry the direct mode.
+inline constexpr std::uint32_t serve_protocol_version = 6;
 } // namespace refit::wire

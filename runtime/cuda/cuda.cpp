@@ -591,4 +591,28 @@ std::vector<double> device_copy_seconds(int ordinal, std::uint64_t bytes, unsign
   return out;
 }
 
+// ---- copy bound -------------------------------------------------------------------------------
+
+double copy_seconds(int ordinal, std::uint64_t total_bytes, std::uint64_t piece_bytes) {
+  if (total_bytes == 0 || piece_bytes == 0)
+    throw error("copy_seconds: needs bytes to copy");
+  const std::uint64_t piece = std::min(total_bytes, piece_bytes);
+  device_allocation src(ordinal, piece, "the copy bound's source");
+  device_allocation dst(ordinal, piece, "the copy bound's destination");
+  stream s(ordinal);
+  auto st = static_cast<cudaStream_t>(s.native());
+  use(ordinal);
+  REFIT_CUDA_CALL(cudaMemcpyAsync(dst.data(), src.data(), piece, cudaMemcpyDeviceToDevice, st),
+                  ordinal, "the copy bound (warm-up)");
+  s.synchronize();
+  auto t0 = std::chrono::steady_clock::now();
+  for (std::uint64_t done = 0; done < total_bytes; done += piece) {
+    const std::uint64_t n = std::min(piece, total_bytes - done);
+    REFIT_CUDA_CALL(cudaMemcpyAsync(dst.data(), src.data(), n, cudaMemcpyDeviceToDevice, st),
+                    ordinal, "the copy bound");
+  }
+  s.synchronize();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
 } // namespace refit::cuda

@@ -189,5 +189,11 @@ double allgather_seconds(const std::vector<int>& ordinals, std::uint64_t total_o
 // `ordinal` (cudaMemcpyAsync on one stream, timed one copy at a time on the host after one
 // warm-up copy). A copy reads and writes `bytes` each.
 std::vector<double> device_copy_seconds(int ordinal, std::uint64_t bytes, unsigned reps);
+// Seconds one device-to-device copy of `total_bytes` takes on `ordinal` (cudaMemcpyAsync
+// between two scratch buffers of at most `piece_bytes`, issued back to back until
+// total_bytes are copied, after one warm-up copy): the single-copy bound of direct
+// publication at world 1.
+double copy_seconds(int ordinal, std::uint64_t total_bytes,
+                    std::uint64_t piece_bytes = 1ull << 30);
 
 } // namespace refit::cuda

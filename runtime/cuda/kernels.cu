@@ -46,6 +46,29 @@ __device__ void copy_range(const copy_desc& d, std::uint64_t begin, std::uint64_
 
 __device__ bool aligned(std::uint64_t x, std::uint64_t a) { return x % a == 0; }
 
+// A contiguous range of 16-byte units: no per-unit row arithmetic, four loads in flight per
+// thread before their stores (a plain per-unit loop reaches about half of the bandwidth).
+__device__ void copy_flat16(const std::byte* src, std::byte* dst, std::uint64_t b0,
+                            std::uint64_t b1) {
+  const uint4* s = reinterpret_cast<const uint4*>(src + b0);
+  uint4* t = reinterpret_cast<uint4*>(dst + b0);
+  const std::uint64_t n = (b1 - b0) / 16;
+  const std::uint64_t step = blockDim.x;
+  std::uint64_t i = threadIdx.x;
+  for (; i + 3 * step < n; i += 4 * step) {
+    const uint4 x0 = s[i];
+    const uint4 x1 = s[i + step];
+    const uint4 x2 = s[i + 2 * step];
+    const uint4 x3 = s[i + 3 * step];
+    t[i] = x0;
+    t[i + step] = x1;
+    t[i + 2 * step] = x2;
+    t[i + 3 * step] = x3;
+  }
+  for (; i < n; i += step)
+    t[i] = s[i];
+}
+
 __global__ void copy_batch_kernel(const copy_desc* descs, const std::uint64_t* block_start,
                                   std::uint32_t n) {
   const std::uint64_t block = blockIdx.x + std::uint64_t{gridDim.x} * blockIdx.y;
@@ -57,6 +80,11 @@ __global__ void copy_batch_kernel(const copy_desc* descs, const std::uint64_t* b
   const std::uint64_t b1 = b0 + copy_unit_bytes < total ? b0 + copy_unit_bytes : total;
   const auto s = reinterpret_cast<std::uint64_t>(d.src);
   const auto t = reinterpret_cast<std::uint64_t>(d.dst);
+  const bool contiguous = d.rows == 1 || (d.src_stride == d.row_bytes && d.dst_stride == d.row_bytes);
+  if (contiguous && aligned(s, 16) && aligned(t, 16) && aligned(b0, 16) && aligned(b1, 16)) {
+    copy_flat16(d.src, d.dst, b0, b1);
+    return;
+  }
   for (std::uint64_t a : {std::uint64_t{16}, std::uint64_t{4}, std::uint64_t{2}}) {
     if (aligned(s, a) && aligned(t, a) && aligned(d.src_stride, a) && aligned(d.dst_stride, a)
         && aligned(d.row_bytes, a) && aligned(b0, a) && aligned(b1, a)) {

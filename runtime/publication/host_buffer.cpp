@@ -249,7 +249,8 @@ std::string host_buffer_pool::handle(std::uint32_t i) const {
   return "memfd:" + std::to_string(getpid()) + ":" + std::to_string(buffers_[i].fd);
 }
 
-mapped_buffer::mapped_buffer(const std::string& handle, std::uint64_t size, int producer_pid) {
+mapped_buffer::mapped_buffer(const std::string& handle, std::uint64_t size, int producer_pid,
+                             bool writable) {
   const auto fail = [&](const std::string& what) {
     return std::runtime_error("buffer handle '" + handle + "': " + what);
   };
@@ -269,7 +270,7 @@ mapped_buffer::mapped_buffer(const std::string& handle, std::uint64_t size, int 
                + std::to_string(producer_pid));
 
   std::string why;
-  const int local_fd = open_peer_fd(pid, fd, why);
+  const int local_fd = open_peer_fd(pid, fd, why, writable);
   if (local_fd < 0)
     throw fail(why);
   const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
@@ -296,7 +297,8 @@ mapped_buffer::mapped_buffer(const std::string& handle, std::uint64_t size, int 
   }
   // MAP_POPULATE: the producer has touched every page, so this only fills the page tables,
   // in one pass here instead of one read fault per page while the scatter reads the buffer.
-  void* addr = mmap(nullptr, size, PROT_READ, MAP_SHARED | MAP_POPULATE, local_fd, 0);
+  void* addr = mmap(nullptr, size, writable ? PROT_READ | PROT_WRITE : PROT_READ,
+                    MAP_SHARED | MAP_POPULATE, local_fd, 0);
   const int map_errno = errno;
   close(local_fd); // the mapping keeps the memory alive
   if (addr == MAP_FAILED)

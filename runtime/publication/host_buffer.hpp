@@ -64,7 +64,10 @@ public:
   // publishes it), the producer or fd is gone (checked through a pidfd, so a reused pid is
   // noticed), the file is not a memfd sealed against shrinking and growing, or the buffer is
   // smaller than `size`.
-  mapped_buffer(const std::string& handle, std::uint64_t size, int producer_pid);
+  // `writable`: mapped read-write (direct publication: a trainer rank writing the runtime's
+  // resident arena, which the runtime sealed like a producer buffer).
+  mapped_buffer(const std::string& handle, std::uint64_t size, int producer_pid,
+                bool writable = false);
   ~mapped_buffer();
   mapped_buffer(mapped_buffer&& other) noexcept;
   mapped_buffer& operator=(mapped_buffer&& other) noexcept;
@@ -72,6 +75,8 @@ public:
   mapped_buffer& operator=(const mapped_buffer&) = delete;
 
   const std::byte* data() const { return addr_; }
+  // Only for a writable mapping.
+  std::byte* mutable_data() const { return const_cast<std::byte*>(addr_); }
   std::uint64_t size() const { return size_; }
 
 private:

@@ -70,7 +70,7 @@ bool pidfd_alive(int pidfd) {
 #endif
 }
 
-int open_peer_fd(int pid, int fd, std::string& error) {
+int open_peer_fd(int pid, int fd, std::string& error, bool writable) {
   if (pid <= 0 || fd < 0) {
     error = "pid " + std::to_string(pid) + " / fd " + std::to_string(fd) + " is out of range";
     return -1;
@@ -83,7 +83,7 @@ int open_peer_fd(int pid, int fd, std::string& error) {
     return -1;
   }
   // O_NONBLOCK: a handle naming a FIFO must fail later, not block in open().
-  int local = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  int local = ::open(path.c_str(), (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC | O_NONBLOCK);
   const int open_errno = errno;
   const bool same_process = pidfd < 0 || pidfd_alive(pidfd);
   if (pidfd >= 0)

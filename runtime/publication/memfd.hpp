@@ -28,6 +28,7 @@ bool pidfd_alive(int pidfd);
 // Opens /proc/<pid>/fd/<fd> read-only for the process `pid` and makes sure the file belongs
 // to that very process: a pidfd is taken first and checked after the open, so a pid that was
 // reused in between is noticed. Returns the fd, or -1 with `error` set.
-int open_peer_fd(int pid, int fd, std::string& error);
+// `writable`: O_RDWR instead (direct publication opens the runtime's resident arena).
+int open_peer_fd(int pid, int fd, std::string& error, bool writable = false);
 
 } // namespace refit::publication

@@ -41,6 +41,7 @@ proxy_factory make_runtime_proxy_factory(const config::refit_config& cfg,
   opts.seed = cfg.job.seed;
   opts.init_scale = cfg.trainer.init_scale;
   opts.model_path = cfg.model_path;
+  opts.publication_mode = cfg.publication.mode;
   opts.executable_path = std::move(runtime_exe);
   if (!cfg.serve.token_env.empty())
     opts.scrub_env.push_back(cfg.serve.token_env); // whatever its name, the secret stays here

@@ -85,6 +85,11 @@ int main(int argc, char** argv) {
                       "`comparison` gives both medians, their spread, the ratio and whether "
                       "registered is within 5% of synthetic in every round")
     ->check(CLI::Range(1u, 100u));
+  publish->add_option("--mode", o.mode,
+                      "publication.mode of this run: packed (all-gather into packed buffers, "
+                      "the runtime scatters) or direct (every rank writes its bytes straight "
+                      "into the runtime's resident tensors); default: the recipe's")
+    ->check(CLI::IsMember({"packed", "direct"}));
   publish->add_option("--bound-reps", o.bound_reps,
                       "memcpy repetitions timed for the bound right after each publication "
                       "(default 3); bound_gbps uses the median of all of them")
