@@ -35,6 +35,19 @@ struct engine_weights {
   }
 };
 
+// A model the fused CUDA kernels accept (head_dim 64, 4 q heads per KV head, 16 experts).
+inline model::model_config small_model() {
+  model::model_config c = tiny_model(512);
+  c.hidden_size = 256;
+  c.num_attention_heads = 8;
+  c.num_key_value_heads = 2;
+  c.head_dim = 64;
+  c.num_experts = 16;
+  c.num_experts_per_tok = 4;
+  c.moe_intermediate_size = 128;
+  return c;
+}
+
 inline engine_weights engine_synthetic(const model::model_config& cfg, std::uint64_t step = 0) {
   engine_weights w;
   w.params = model::expected_key_stream(cfg);
@@ -90,7 +103,7 @@ struct engine_rig {
 
   engine_rig(const model::model_config& cfg, const engine_weights& w, model::dtype compute,
              std::uint32_t block_size, std::uint32_t blocks, int cuda_device, place_fn place,
-             alloc_fn alloc, bool graphs = true)
+             alloc_fn alloc, bool graphs = true, bool fused = true)
     : cfg_(cfg), comm_() {
     host_ = inference::scatter_residents(cfg, 1, 0, w.params, w.pointers());
     std::vector<const std::byte*> residents;
@@ -107,6 +120,7 @@ struct engine_rig {
     o.cuda_device = cuda_device;
     o.compute_dtype = compute;
     o.cuda_graphs = graphs;
+    o.fused_kernels = fused;
     arena = alloc(std::size_t{blocks} * o.kv.block_bytes());
     forward = inference::make_rank_forward(o);
   }

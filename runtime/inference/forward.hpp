@@ -122,6 +122,9 @@ struct rank_forward_options {
   bool cuda_graphs = true;
   // Blocks of the KV arena at kv_base (block ids of forward_item tables are below it).
   std::uint32_t kv_blocks = 0;
+  // bf16 engine on a GPU: the fused CUDA kernels of torch_kernels.cu where the shapes allow
+  // (false: the same arithmetic as chains of ATen ops; tests compare the two).
+  bool fused_kernels = true;
 };
 
 // One token to draw from the logits of forward row `row`, with the counter-based stream

@@ -44,6 +44,9 @@
 
 #include "runtime/inference/forward.hpp"
 #include "runtime/inference/torch_device_sampling.hpp"
+#if defined(REFIT_TORCH_CUDA)
+#include "runtime/inference/torch_kernels.hpp"
+#endif
 
 #if __has_include(<ATen/ops/_grouped_mm.h>)
 #define REFIT_HAVE_GROUPED_MM 1
@@ -136,6 +139,11 @@ public:
     }
 #endif
     graphs_enabled_ = device_.is_cuda() && o.tp == 1 && o.cuda_graphs;
+#if defined(REFIT_TORCH_CUDA)
+    fused_ = device_.is_cuda() && o.fused_kernels;
+    fused_decode_attention_ = kernels::decode_attention_supported(
+      static_cast<int>(head_dim_), static_cast<int>(q_heads_ / kv_heads_));
+#endif
   }
 
   std::vector<float> forward(const std::vector<forward_item>& items, std::byte* kv_base,
@@ -250,11 +258,12 @@ private:
       .to(device_);
   }
 
-  // [nb, kv heads, block, head_dim] view of (layer, k|v) over the arena at kv_base.
+  // [nb, block, kv heads, head_dim] view of (layer, k|v) over the arena at kv_base (the bf16
+  // engine's block layout: [layer][k|v][slot][kv head][head_dim]).
   at::Tensor kv_view(std::byte* kv_base, std::uint32_t layer, std::uint32_t kind) const {
     return at::from_blob(kv_base,
                          {static_cast<std::int64_t>(o_.kv_blocks), std::int64_t{cfg_.num_hidden_layers},
-                          2, kv_heads_, std::int64_t{o_.kv.block_size}, head_dim_},
+                          2, std::int64_t{o_.kv.block_size}, kv_heads_, head_dim_},
                          bf_)
       .select(1, layer)
       .select(1, kind);
@@ -389,36 +398,37 @@ private:
     const std::int64_t q_cols = q_heads_ * head_dim_;
     const std::int64_t kv_cols = kv_heads_ * head_dim_;
 
+    const bool fused_attention = decode && fused_ && fused_decode_attention_;
     for (std::uint32_t layer = 0; layer < cfg_.num_hidden_layers; ++layer) {
       const layer_tensors& w = layers_[layer];
-      at::Tensor h = rms_norm(x, w.input_norm).to(at::kBFloat16);
+      at::Tensor h = norm_bf16(x, w.input_norm);
       const at::Tensor qkv = at::matmul(h, w.qkv.t());
-      at::Tensor q = qkv.narrow(1, 0, q_cols).reshape({n, q_heads_, head_dim_});
-      at::Tensor k = qkv.narrow(1, q_cols, kv_cols).reshape({n, kv_heads_, head_dim_});
-      const at::Tensor v = qkv.narrow(1, q_cols + kv_cols, kv_cols).reshape({n, kv_heads_, head_dim_});
-      q = rope(rms_norm(q.to(at::kFloat), w.q_norm), cos, sin).to(at::kBFloat16);
-      k = rope(rms_norm(k.to(at::kFloat), w.k_norm), cos, sin).to(at::kBFloat16);
-
       at::Tensor kc = kv_view(kv_base, layer, 0);
       at::Tensor vc = kv_view(kv_base, layer, 1);
-      const at::Tensor k_src = decode ? k.index_select(0, in.src_row) : k;
-      const at::Tensor v_src = decode ? v.index_select(0, in.src_row) : v;
-      kc.permute({0, 2, 1, 3}).index_put_({in.write_block, in.write_slot}, k_src);
-      vc.permute({0, 2, 1, 3}).index_put_({in.write_block, in.write_slot}, v_src);
+      at::Tensor attn;
+      if (fused_attention) {
+        attn = fused_decode_layer_attention(qkv, w, in, kv_base, layer);
+      } else {
+        at::Tensor q = qkv.narrow(1, 0, q_cols).reshape({n, q_heads_, head_dim_});
+        at::Tensor k = qkv.narrow(1, q_cols, kv_cols).reshape({n, kv_heads_, head_dim_});
+        const at::Tensor v =
+          qkv.narrow(1, q_cols + kv_cols, kv_cols).reshape({n, kv_heads_, head_dim_});
+        q = rope(rms_norm(q.to(at::kFloat), w.q_norm), cos, sin).to(at::kBFloat16);
+        k = rope(rms_norm(k.to(at::kFloat), w.k_norm), cos, sin).to(at::kBFloat16);
+        const at::Tensor k_src = decode ? k.index_select(0, in.src_row) : k;
+        const at::Tensor v_src = decode ? v.index_select(0, in.src_row) : v;
+        kc.index_put_({in.write_block, in.write_slot}, k_src);
+        vc.index_put_({in.write_block, in.write_slot}, v_src);
+        attn = decode ? decode_attention(q, kc, vc, in) : prefill_attention(q, k, v, kc, vc, *items);
+      }
+      const at::Tensor out = at::matmul(attn, w.o.t());
+      add_residual(x, out);
 
-      const at::Tensor attn = decode ? decode_attention(q, kc, vc, in)
-                                     : prefill_attention(q, k, v, kc, vc, *items);
-      at::Tensor out = at::matmul(attn, w.o.t()).to(at::kFloat);
-      all_reduce(out);
-      x = x + out;
-
-      h = rms_norm(x, w.post_norm).to(at::kBFloat16);
-      at::Tensor moe = experts(w, h, decode);
-      all_reduce(moe);
-      x = x + moe;
+      h = norm_bf16(x, w.post_norm);
+      experts(w, h, decode, x);
     }
 
-    const at::Tensor xf = rms_norm(x.index_select(0, picked), final_norm_).to(at::kBFloat16);
+    const at::Tensor xf = norm_bf16(x.index_select(0, picked).contiguous(), final_norm_);
     at::Tensor local = at::matmul(xf, lm_head_.t()).to(at::kFloat);
     if (o_.tp == 1)
       return local.narrow(1, 0, std::int64_t{cfg_.vocab_size});
@@ -460,11 +470,8 @@ private:
     const std::int64_t bs = o_.kv.block_size;
     const std::int64_t length = width * bs;
     const at::Tensor flat = in.table.reshape({-1});
-    const auto gather = [&](const at::Tensor& cache) {
-      return cache.index_select(0, flat)
-        .view({b, width, kv_heads_, bs, head_dim_})
-        .permute({0, 2, 1, 3, 4})
-        .reshape({b, kv_heads_, length, head_dim_});
+    const auto gather = [&](const at::Tensor& cache) { // [B, Hkv, L, d], strided
+      return cache.index_select(0, flat).view({b, length, kv_heads_, head_dim_}).transpose(1, 2);
     };
     const at::Tensor keys = gather(kc);
     const at::Tensor values = gather(vc);
@@ -499,9 +506,9 @@ private:
         const at::Tensor index = upload(blocks);
         const auto gather = [&](const at::Tensor& cache) {
           return cache.index_select(0, index)
-            .permute({1, 0, 2, 3})
-            .reshape({kv_heads_, -1, head_dim_})
-            .narrow(1, 0, length)
+            .reshape({-1, kv_heads_, head_dim_})
+            .narrow(0, 0, length)
+            .permute({1, 0, 2})
             .repeat_interleave(group, 0)
             .unsqueeze(0);
         };
@@ -569,31 +576,155 @@ private:
     return out;
   }
 
-  at::Tensor experts(const layer_tensors& w, const at::Tensor& h, bool decode) {
+  // The routed experts of h, added into the residual stream x (after the TP all-reduce).
+  void experts(const layer_tensors& w, const at::Tensor& h, bool decode, at::Tensor& x) {
     const std::int64_t n = h.size(0);
-    const at::Tensor probs = at::softmax(at::matmul(h, w.router.t()).to(at::kFloat), -1);
-    auto ranked = at::sort(probs, /*stable=*/true, /*dim=*/-1, /*descending=*/true);
-    at::Tensor weights = std::get<0>(ranked).narrow(1, 0, top_k_);
-    const at::Tensor chosen = std::get<1>(ranked).narrow(1, 0, top_k_).reshape({-1});
-    if (cfg_.norm_topk_prob)
-      weights = weights / weights.sum(-1, /*keepdim=*/true);
-    auto by_expert = at::sort(chosen, c10::optional<bool>(true), /*dim=*/0, /*descending=*/false);
-    const at::Tensor order = std::get<1>(by_expert); // copy j of the sorted rows = flat index
-    const at::Tensor counts =
-      at::zeros({experts_}, i64_).scatter_add_(0, chosen, at::ones_like(chosen));
-    const at::Tensor offsets = counts.cumsum(0).to(at::kInt);
-    const at::Tensor used = counts.gt(0).sum();
-    expert_loads_.narrow(0, 0, 1).add_(used);
-    if (decode)
-      expert_loads_.narrow(0, 1, 1).add_(used);
+    const at::Tensor router_logits = at::matmul(h, w.router.t()); // bf16 [n, E]
+    at::Tensor weights; // fp32 [n, k]
+    at::Tensor chosen;  // int64 [n * k]
+#if defined(REFIT_TORCH_CUDA)
+    if (fused_ && kernels::route_supported(static_cast<int>(experts_), static_cast<int>(top_k_))) {
+      at::Tensor ids = at::empty({n, top_k_}, i64_);
+      weights = at::empty({n, top_k_}, f32_);
+      kernels::route(router_logits.data_ptr(), static_cast<int>(n), static_cast<int>(experts_),
+                     static_cast<int>(top_k_), cfg_.norm_topk_prob, ids.data_ptr<std::int64_t>(),
+                     weights.data_ptr<float>(), stream());
+      chosen = ids.reshape({-1});
+    }
+#endif
+    if (!chosen.defined()) {
+      const at::Tensor probs = at::softmax(router_logits.to(at::kFloat), -1);
+      auto ranked = at::sort(probs, /*stable=*/true, /*dim=*/-1, /*descending=*/true);
+      weights = std::get<0>(ranked).narrow(1, 0, top_k_);
+      chosen = std::get<1>(ranked).narrow(1, 0, top_k_).reshape({-1});
+      if (cfg_.norm_topk_prob)
+        weights = weights / weights.sum(-1, /*keepdim=*/true);
+    }
+    const std::int64_t copies = n * top_k_;
+    at::Tensor counts, offsets, order, src_token, inverse;
+#if defined(REFIT_TORCH_CUDA)
+    if (fused_ && kernels::bucket_supported(static_cast<int>(copies), static_cast<int>(experts_))) {
+      counts = at::empty({experts_}, i64_);
+      offsets = at::empty({experts_}, i64_.dtype(at::kInt));
+      order = at::empty({copies}, i64_);
+      src_token = at::empty({copies}, i64_);
+      inverse = at::empty({copies}, i64_);
+      kernels::bucket(chosen.data_ptr<std::int64_t>(), static_cast<int>(copies),
+                      static_cast<int>(top_k_), static_cast<int>(experts_),
+                      counts.data_ptr<std::int64_t>(), offsets.data_ptr<int>(),
+                      order.data_ptr<std::int64_t>(), src_token.data_ptr<std::int64_t>(),
+                      inverse.data_ptr<std::int64_t>(), expert_loads_.data_ptr<std::int64_t>(),
+                      decode ? 2 : 1, stream());
+    }
+#endif
+    if (!order.defined()) {
+      auto by_expert = at::sort(chosen, c10::optional<bool>(true), /*dim=*/0, /*descending=*/false);
+      order = std::get<1>(by_expert); // sorted position -> flat index
+      counts = at::zeros({experts_}, i64_).scatter_add_(0, chosen, at::ones_like(chosen));
+      offsets = counts.cumsum(0).to(at::kInt);
+      src_token = at::floor_divide(order, top_k_);
+      const at::Tensor used = counts.gt(0).sum();
+      expert_loads_.narrow(0, 0, 1).add_(used);
+      if (decode)
+        expert_loads_.narrow(0, 1, 1).add_(used);
+    }
 
-    const at::Tensor xs = h.index_select(0, at::floor_divide(order, top_k_));
+    const at::Tensor xs = h.index_select(0, src_token);
     const at::Tensor gate_up = grouped(xs, w.w13, counts, offsets);
-    const at::Tensor act = at::silu(gate_up.narrow(1, 0, inter_)) * gate_up.narrow(1, inter_, inter_);
+    at::Tensor act;
+#if defined(REFIT_TORCH_CUDA)
+    if (fused_) {
+      act = at::empty({copies, inter_}, bf_);
+      kernels::silu_mul(gate_up.data_ptr(), act.data_ptr(), copies, static_cast<int>(inter_),
+                        stream());
+    }
+#endif
+    if (!act.defined())
+      act = at::silu(gate_up.narrow(1, 0, inter_)) * gate_up.narrow(1, inter_, inter_);
     const at::Tensor ys = grouped(act, w.w2, counts, offsets);
+#if defined(REFIT_TORCH_CUDA)
+    if (fused_ && o_.tp == 1) {
+      if (!inverse.defined())
+        inverse = at::empty_like(order).index_copy_(0, order, at::arange(copies, i64_));
+      kernels::mix_experts(ys.data_ptr(), inverse.data_ptr<std::int64_t>(),
+                           weights.contiguous().data_ptr<float>(), x.data_ptr<float>(),
+                           static_cast<int>(n), static_cast<int>(top_k_),
+                           static_cast<int>(hidden_), stream());
+      return;
+    }
+#endif
     const at::Tensor y = at::empty_like(ys).index_copy_(0, order, ys); // back in token order
-    return (y.view({n, top_k_, hidden_}).to(at::kFloat) * weights.unsqueeze(-1)).sum(1);
+    at::Tensor moe = (y.view({n, top_k_, hidden_}).to(at::kFloat) * weights.unsqueeze(-1)).sum(1);
+    all_reduce(moe);
+    x.add_(moe);
   }
+
+  // x (fp32, contiguous) += the all-reduced bf16 `out`.
+  void add_residual(at::Tensor& x, const at::Tensor& out) {
+#if defined(REFIT_TORCH_CUDA)
+    if (fused_ && o_.tp == 1) {
+      kernels::add_bf16(x.data_ptr<float>(), out.data_ptr(), x.numel(), stream());
+      return;
+    }
+#endif
+    at::Tensor o = out.to(at::kFloat);
+    all_reduce(o);
+    x.add_(o);
+  }
+
+  // RMSNorm of fp32 x (contiguous [n, H]) to bf16.
+  at::Tensor norm_bf16(const at::Tensor& x, const at::Tensor& w) const {
+#if defined(REFIT_TORCH_CUDA)
+    if (fused_) {
+      at::Tensor out = at::empty({x.size(0), x.size(1)}, bf_);
+      kernels::rms_norm(x.data_ptr<float>(), w.data_ptr(), out.data_ptr(),
+                        static_cast<int>(x.size(0)), static_cast<int>(x.size(1)),
+                        static_cast<float>(cfg_.rms_norm_eps), stream());
+      return out;
+    }
+#endif
+    return rms_norm(x, w).to(at::kBFloat16);
+  }
+
+  // Decode attention of one layer through the fused kernels: q/k norm + RoPE + the K/V
+  // writes, then attention over the paged cache.
+  at::Tensor fused_decode_layer_attention(const at::Tensor& qkv, const layer_tensors& w,
+                                          const step_inputs& in, std::byte* kv_base,
+                                          std::uint32_t layer) {
+#if defined(REFIT_TORCH_CUDA)
+    const std::int64_t n = qkv.size(0);
+    kernels::kv_target kv;
+    kv.base = kv_base;
+    kv.block_elems = static_cast<std::int64_t>(o_.kv.block_bytes() / 2);
+    kv.part_elems = std::int64_t{o_.kv.block_size} * kv_heads_ * head_dim_;
+    kv.layer_offset = std::int64_t{layer} * 2 * kv.part_elems;
+    kv.block_size = static_cast<int>(o_.kv.block_size);
+    at::Tensor q = at::empty({n, q_heads_, head_dim_}, bf_);
+    kernels::qk_norm_rope_write(qkv.data_ptr(), w.q_norm.data_ptr(), w.k_norm.data_ptr(),
+                                cos_.data_ptr<float>(), sin_.data_ptr<float>(),
+                                in.positions.data_ptr<std::int64_t>(),
+                                in.src_row.data_ptr<std::int64_t>(),
+                                in.write_block.data_ptr<std::int64_t>(),
+                                in.write_slot.data_ptr<std::int64_t>(), q.data_ptr(), kv,
+                                static_cast<int>(n), static_cast<int>(q_heads_),
+                                static_cast<int>(kv_heads_), static_cast<int>(head_dim_),
+                                static_cast<float>(cfg_.rms_norm_eps), stream());
+    at::Tensor out = at::empty({n, q_heads_ * head_dim_}, bf_);
+    kernels::decode_attention(q.data_ptr(), kv, in.table.data_ptr<std::int64_t>(),
+                              static_cast<int>(in.table.size(1)),
+                              in.lengths.data_ptr<std::int64_t>(), out.data_ptr(),
+                              static_cast<int>(n), static_cast<int>(q_heads_),
+                              static_cast<int>(kv_heads_), static_cast<int>(head_dim_), stream());
+    return out;
+#else
+    (void)qkv, (void)w, (void)in, (void)kv_base, (void)layer;
+    throw std::logic_error("bf16 engine: fused kernels need a CUDA build");
+#endif
+  }
+
+#if defined(REFIT_TORCH_CUDA)
+  void* stream() const { return c10::cuda::getCurrentCUDAStream(device_.index()).stream(); }
+#endif
 
   at::Tensor run_eager(const std::vector<forward_item>& items, std::byte* kv_base,
                        logits_rows rows) {
@@ -732,6 +863,8 @@ private:
   at::Tensor expert_loads_;
   forward_counters counters_;
   bool graphs_enabled_ = false;
+  bool fused_ = false;                  // the fused CUDA kernels (torch_kernels.cu)
+  bool fused_decode_attention_ = false; // their decode attention supports this shape
 #if defined(REFIT_TORCH_CUDA)
   std::optional<c10::cuda::CUDAStream> stream_;
   std::int64_t baseline_bytes_ = 0;

@@ -1,0 +1,65 @@
+// Fused CUDA kernels of the bf16 engine (torch_kernels.cu; built into the LibTorch module in
+// REFIT_CUDA builds only). Plain pointers and a cudaStream_t (as void*): no LibTorch here.
+// Every kernel replaces a chain of ATen ops of torch_fast_forward.cpp with the same arithmetic
+// (fp32 math, bf16 storage), so a decode step launches ~17 kernels per layer instead of ~100.
+//
+// bf16 engine KV layout inside one block: [layer][k|v][slot][kv head][head_dim] bf16.
+#pragma once
+
+#include <cstdint>
+
+namespace refit::inference::kernels {
+
+// out[r] = bf16(x[r] * rsqrt(mean(x[r]^2) + eps) * w), x fp32 [rows, n], w bf16 [n].
+void rms_norm(const float* x, const void* w, void* out, int rows, int n, float eps, void* stream);
+
+struct kv_target {
+  void* base = nullptr;            // the arena
+  std::int64_t block_elems = 0;    // bf16 elements per block
+  std::int64_t part_elems = 0;     // elements of one (layer, k|v) part
+  std::int64_t layer_offset = 0;   // elements from a block's start to this layer's K part
+  int block_size = 0;
+};
+
+// From qkv bf16 [n, (hq + 2 hkv) * d]: q heads RMS-normed (q_norm), RoPE'd, written to q_out
+// bf16 [n, hq, d]; k heads normed (k_norm) + RoPE'd and v heads copied into their cache slots
+// (write_block / write_slot of token i, values of token src_row[i]). cos/sin fp32 [P, d/2].
+void qk_norm_rope_write(const void* qkv, const void* q_norm, const void* k_norm,
+                        const float* cos, const float* sin, const std::int64_t* positions,
+                        const std::int64_t* src_row, const std::int64_t* write_block,
+                        const std::int64_t* write_slot, void* q_out, kv_target kv, int n, int hq,
+                        int hkv, int d, float eps, void* stream);
+
+// Decode attention over the paged cache: q bf16 [b, hq, d]; table int64 [b, width]; lengths
+// int64 [b]; out bf16 [b, hq * d]. Supports d in {64, 128} and hq / hkv in {1, 2, 4, 8, 16}.
+bool decode_attention_supported(int d, int group);
+void decode_attention(const void* q, kv_target kv, const std::int64_t* table, int width,
+                      const std::int64_t* lengths, void* out, int b, int hq, int hkv, int d,
+                      void* stream);
+
+// Router: logits bf16 [n, e] -> softmax (fp32) -> the top_k experts (ties: lower id), their
+// probabilities renormalized when `renormalize`: ids int64 [n, top_k], weights fp32 [n, top_k].
+bool route_supported(int experts, int top_k);
+void route(const void* logits, int n, int experts, int top_k, bool renormalize,
+           std::int64_t* ids, float* weights, void* stream);
+
+// Counting sort of the n * top_k routed copies by expert, stable in flat index order:
+// counts int64 [e], offsets int32 [e] (cumulative ends), order int64 [m] (sorted position ->
+// flat index), src_token int64 [m] (= order / top_k), inverse int64 [m] (flat -> sorted);
+// adds the number of non-empty experts to each of loads[0 .. loads_n).
+bool bucket_supported(int copies, int experts);
+void bucket(const std::int64_t* ids, int copies, int top_k, int experts, std::int64_t* counts,
+            int* offsets, std::int64_t* order, std::int64_t* src_token, std::int64_t* inverse,
+            std::int64_t* loads, int loads_n, void* stream);
+
+// act bf16 [m, i] = silu(gate) * up of gate_up bf16 [m, 2i] (fp32 math).
+void silu_mul(const void* gate_up, void* act, std::int64_t m, int i, void* stream);
+
+// x fp32 [n, h] += sum_j weights[t, j] * y[inverse[t * top_k + j]] (y bf16 [n * top_k, h]).
+void mix_experts(const void* y, const std::int64_t* inverse, const float* weights, float* x,
+                 int n, int top_k, int h, void* stream);
+
+// x fp32 [n, h] += bf16 y [n, h].
+void add_bf16(float* x, const void* y, std::int64_t elements, void* stream);
+
+} // namespace refit::inference::kernels
