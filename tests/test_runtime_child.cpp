@@ -33,6 +33,7 @@
 #include "runtime/model/digest.hpp"
 #include "runtime/model/qwen3_moe.hpp"
 #include "runtime/model/synthetic.hpp"
+#include "runtime/publication/direct_plan.hpp"
 #include "runtime/control/process.hpp"
 #include "runtime/control/protocol.hpp"
 #include "runtime/control/protocol_version.hpp"
@@ -244,7 +245,7 @@ TEST_P(DescribeTest, ReportsRuntimeAndWorkers) {
     EXPECT_EQ(w.rank(), i);
     EXPECT_EQ(w.device_index(), static_cast<int>(i));
     EXPECT_EQ(w.device_uuid(), refit::device::cpu_uuid(static_cast<int>(i)));
-    EXPECT_EQ(w.weight_bytes_resident(), layout.resident_bytes());
+    EXPECT_EQ(w.weight_bytes_resident(), refit::publication::resident_arena_bytes(layout));
     EXPECT_EQ(w.kv_cache_bytes_resident(), small_kv_bytes);
     EXPECT_EQ(w.weight_bytes_offloaded(), 0u);
     EXPECT_GT(w.device_free_bytes(), 0u);
@@ -302,7 +303,7 @@ constexpr std::uint64_t rss_slack = 8u << 20;
 TEST(RuntimeChildMemory, SleepLevel1OffloadsWeightsAndWakeRestoresThem) {
   runtime_child child(args_for(2, large_kv_bytes));
   const auto layout = tiny_layout(2);
-  const std::uint64_t per_worker = layout.resident_bytes() + large_kv_bytes;
+  const std::uint64_t per_worker = refit::publication::resident_arena_bytes(layout) + large_kv_bytes;
   ASSERT_TRUE(child.describe().kv_cache_awake()); // answered only once startup is complete
   const std::uint64_t awake_rss = proc::rss_anon_bytes(child.pid());
   ASSERT_GT(awake_rss, 2 * per_worker);
@@ -318,7 +319,7 @@ TEST(RuntimeChildMemory, SleepLevel1OffloadsWeightsAndWakeRestoresThem) {
   for (const auto& w : slept.workers()) {
     EXPECT_EQ(w.weight_bytes_resident(), 0u);
     EXPECT_EQ(w.kv_cache_bytes_resident(), 0u);
-    EXPECT_EQ(w.weight_bytes_offloaded(), layout.resident_bytes());
+    EXPECT_EQ(w.weight_bytes_offloaded(), refit::publication::resident_arena_bytes(layout));
     EXPECT_EQ(w.resident_tensor_count(), 0u);
   }
   const std::uint64_t asleep_rss = proc::rss_anon_bytes(child.pid());
@@ -334,7 +335,7 @@ TEST(RuntimeChildMemory, SleepLevel1OffloadsWeightsAndWakeRestoresThem) {
   EXPECT_EQ(weights_only.sleep_level(), 1u);
   EXPECT_TRUE(weights_only.weights_valid());
   for (const auto& w : weights_only.workers()) {
-    EXPECT_EQ(w.weight_bytes_resident(), layout.resident_bytes());
+    EXPECT_EQ(w.weight_bytes_resident(), refit::publication::resident_arena_bytes(layout));
     EXPECT_EQ(w.weight_bytes_offloaded(), 0u);
     EXPECT_EQ(w.kv_cache_bytes_resident(), 0u);
     EXPECT_EQ(w.resident_tensor_count(), layout.residents().size());
@@ -374,7 +375,7 @@ TEST(RuntimeChildMemory, SleepLevel2DropsWeightsAndWakeLeavesThemInvalid) {
   EXPECT_EQ(slept.workers(0).weight_bytes_offloaded(), 0u);
   EXPECT_EQ(slept.workers(0).kv_cache_bytes_resident(), 0u);
   const std::uint64_t asleep_rss = proc::rss_anon_bytes(child.pid());
-  EXPECT_LE(asleep_rss + layout.resident_bytes() + large_kv_bytes, awake_rss + rss_slack)
+  EXPECT_LE(asleep_rss + refit::publication::resident_arena_bytes(layout) + large_kv_bytes, awake_rss + rss_slack)
     << "awake " << awake_rss << " bytes, asleep " << asleep_rss << " bytes";
 
   rsp = child.wake_up({});
@@ -384,7 +385,7 @@ TEST(RuntimeChildMemory, SleepLevel2DropsWeightsAndWakeLeavesThemInvalid) {
   EXPECT_TRUE(woken.weights_awake());
   EXPECT_TRUE(woken.kv_cache_awake());
   EXPECT_FALSE(woken.weights_valid());
-  EXPECT_EQ(woken.workers(0).weight_bytes_resident(), layout.resident_bytes());
+  EXPECT_EQ(woken.workers(0).weight_bytes_resident(), refit::publication::resident_arena_bytes(layout));
   EXPECT_EQ(woken.workers(0).resident_tensor_count(), 0u);
 }
 

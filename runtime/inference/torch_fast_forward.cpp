@@ -630,7 +630,21 @@ private:
     }
 
     const at::Tensor xs = h.index_select(0, src_token);
-    const at::Tensor gate_up = grouped(xs, w.w13, counts, offsets);
+    const auto project = [&](const at::Tensor& in, const at::Tensor& weight) {
+#if defined(REFIT_TORCH_CUDA)
+      if (fused_ && kernels::expert_gemv_supported(copies, weight.size(2))) {
+        at::Tensor out = at::empty({copies, weight.size(1)}, bf_);
+        kernels::expert_gemv(in.data_ptr(), weight.data_ptr(), chosen.data_ptr<std::int64_t>(),
+                             order.data_ptr<std::int64_t>(), counts.data_ptr<std::int64_t>(),
+                             offsets.data_ptr<int>(), out.data_ptr(), static_cast<int>(copies),
+                             static_cast<int>(weight.size(1)), static_cast<int>(weight.size(2)),
+                             stream());
+        return out;
+      }
+#endif
+      return grouped(in, weight, counts, offsets);
+    };
+    const at::Tensor gate_up = project(xs, w.w13);
     at::Tensor act;
 #if defined(REFIT_TORCH_CUDA)
     if (fused_) {
@@ -641,7 +655,7 @@ private:
 #endif
     if (!act.defined())
       act = at::silu(gate_up.narrow(1, 0, inter_)) * gate_up.narrow(1, inter_, inter_);
-    const at::Tensor ys = grouped(act, w.w2, counts, offsets);
+    const at::Tensor ys = project(act, w.w2);
 #if defined(REFIT_TORCH_CUDA)
     if (fused_ && o_.tp == 1) {
       if (!inverse.defined())

@@ -322,6 +322,52 @@ __global__ void bucket_kernel(const i64* ids, int copies, int top_k, int experts
   }
 }
 
+// --------------------------------------------------------------- expert GEMV
+
+constexpr int gemv_max_copies = 64;
+constexpr int gemv_rows_per_block = 8; // one warp per output row
+constexpr int gemv_copies_per_pass = 8;
+
+__global__ void expert_gemv_kernel(const bf16* x, const bf16* w, const i64* ids, const i64* order,
+                                   const i64* counts, const int* offsets, bf16* y, int n, int k) {
+  const int p = blockIdx.x;
+  const int e = static_cast<int>(ids[order[p]]);
+  const int first = e == 0 ? 0 : offsets[e - 1];
+  if (p != first)
+    return; // the group's first copy does the group
+  const int count = static_cast<int>(counts[e]);
+  const int lane = threadIdx.x & 31;
+  const int row = blockIdx.y * gemv_rows_per_block + (threadIdx.x >> 5);
+  if (row >= n)
+    return;
+  const bf16* wr = w + (static_cast<i64>(e) * n + row) * k;
+  for (int c0 = 0; c0 < count; c0 += gemv_copies_per_pass) {
+    const int cs = min(gemv_copies_per_pass, count - c0);
+    float acc[gemv_copies_per_pass];
+    for (int c = 0; c < gemv_copies_per_pass; ++c)
+      acc[c] = 0.0f;
+    for (int k0 = lane * 8; k0 < k; k0 += 256) {
+      const uint4 wv = *reinterpret_cast<const uint4*>(wr + k0);
+      const bf16* wb = reinterpret_cast<const bf16*>(&wv);
+      float wf[8];
+      for (int j = 0; j < 8; ++j)
+        wf[j] = to_f(wb[j]);
+      for (int c = 0; c < cs; ++c) {
+        const uint4 xv =
+          *reinterpret_cast<const uint4*>(x + static_cast<i64>(first + c0 + c) * k + k0);
+        const bf16* xb = reinterpret_cast<const bf16*>(&xv);
+        for (int j = 0; j < 8; ++j)
+          acc[c] += wf[j] * to_f(xb[j]);
+      }
+    }
+    for (int c = 0; c < cs; ++c) {
+      const float s = warp_sum(acc[c]);
+      if (lane == 0)
+        y[static_cast<i64>(first + c0 + c) * n + row] = to_bf(s);
+    }
+  }
+}
+
 // ------------------------------------------------------------------ elementwise
 
 __global__ void silu_mul_kernel(const bf16* gate_up, bf16* act, i64 m, int inter) {
@@ -424,6 +470,20 @@ void bucket(const std::int64_t* ids, int copies, int top_k, int experts, std::in
   bucket_kernel<<<1, 1024, 0, as_stream(stream)>>>(ids, copies, top_k, experts, counts, offsets,
                                                    order, src_token, inverse, loads, loads_n);
   check("bucket");
+}
+
+bool expert_gemv_supported(std::int64_t copies, std::int64_t k) {
+  return copies >= 1 && copies <= gemv_max_copies && k % 8 == 0;
+}
+
+void expert_gemv(const void* x, const void* w, const std::int64_t* ids, const std::int64_t* order,
+                 const std::int64_t* counts, const int* offsets, void* y, int copies, int n, int k,
+                 void* stream) {
+  const dim3 grid(copies, (n + gemv_rows_per_block - 1) / gemv_rows_per_block);
+  expert_gemv_kernel<<<grid, gemv_rows_per_block * 32, 0, as_stream(stream)>>>(
+    static_cast<const bf16*>(x), static_cast<const bf16*>(w), ids, order, counts, offsets,
+    static_cast<bf16*>(y), n, k);
+  check("expert_gemv");
 }
 
 void silu_mul(const void* gate_up, void* act, std::int64_t m, int inter, void* stream) {

@@ -52,6 +52,16 @@ void bucket(const std::int64_t* ids, int copies, int top_k, int experts, std::in
             int* offsets, std::int64_t* order, std::int64_t* src_token, std::int64_t* inverse,
             std::int64_t* loads, int loads_n, void* stream);
 
+// Few routed copies (decode at small batch): y bf16 [m, n] = x bf16 [m, k] (rows sorted by
+// expert) times w bf16 [e, n, k]^T of each row's expert, every expert's weights read once for
+// all of its copies (a GEMV per expert; the grouped GEMM's tiles waste most of their reads at
+// one or two rows per expert). ids: the flat expert ids, order: sorted position -> flat index,
+// counts int64 [e], offsets int32 [e] (cumulative ends).
+bool expert_gemv_supported(std::int64_t copies, std::int64_t k);
+void expert_gemv(const void* x, const void* w, const std::int64_t* ids, const std::int64_t* order,
+                 const std::int64_t* counts, const int* offsets, void* y, int copies, int n, int k,
+                 void* stream);
+
 // act bf16 [m, i] = silu(gate) * up of gate_up bf16 [m, 2i] (fp32 math).
 void silu_mul(const void* gate_up, void* act, std::int64_t m, int i, void* stream);
 

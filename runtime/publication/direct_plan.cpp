@@ -12,13 +12,14 @@ std::vector<std::uint64_t> resident_offsets(const model::tp_layout& layout) {
   std::uint64_t offset = 0;
   for (const auto& r : layout.residents()) {
     offsets.push_back(offset);
-    offset += r.nbytes;
+    offset = (offset + r.nbytes + resident_alignment - 1) / resident_alignment * resident_alignment;
   }
   return offsets;
 }
 
 std::uint64_t resident_arena_bytes(const model::tp_layout& layout) {
-  return layout.resident_bytes();
+  const auto offsets = resident_offsets(layout);
+  return offsets.empty() ? 0 : offsets.back() + layout.residents().back().nbytes;
 }
 
 namespace {

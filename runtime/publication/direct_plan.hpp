@@ -8,7 +8,9 @@
 //
 // The resident arena is one allocation per TP worker; resident tensor i starts at
 // resident_offsets(layout)[i] (the runtime allocates it, the trainer ranks compute the same
-// offsets from the layout alone).
+// offsets from the layout alone). Offsets are multiples of resident_alignment, so every
+// resident tensor meets the 16-byte vector loads of cuBLAS, the grouped GEMM and the bf16
+// engine's kernels whatever the sizes of the tensors before it.
 #pragma once
 
 #include <cstdint>
@@ -18,6 +20,7 @@
 
 namespace refit::publication {
 
+constexpr std::uint64_t resident_alignment = 256;
 std::vector<std::uint64_t> resident_offsets(const model::tp_layout& layout);
 std::uint64_t resident_arena_bytes(const model::tp_layout& layout);
 
