@@ -64,6 +64,7 @@ std::chrono::milliseconds timeout_for(const config::timeouts& t, pb::Command cmd
   switch (cmd) {
     case pb::COMMAND_DESCRIBE: return config::ms(t.describe);
     case pb::COMMAND_GENERATE: return config::ms(t.generate);
+    case pb::COMMAND_SCORE: return config::ms(t.generate); // teacher forcing: as long as generation
     case pb::COMMAND_SLEEP: return config::ms(t.sleep);
     case pb::COMMAND_WAKE_UP: return config::ms(t.wake_up);
     case pb::COMMAND_INIT_WEIGHT_TRANSFER: return config::ms(t.init_weight_transfer);
