@@ -387,8 +387,12 @@ json bench::run() {
       // The NCCL bound, with the runtime and ranks still holding their memory (as during the
       // publications): the same output bytes per rank, in `chunks` equal all-gathers.
       for (unsigned i = 0; i < opts_.bound_reps; ++i) {
-        nccl_bound_.push_back(refit::cuda::allgather_seconds(
-          trainer_ordinals(), runs.front().res.bytes, runs.front().res.chunks));
+        // (at least one call per 4 GiB: a direct plan may be one chunk of the whole model)
+        const std::uint64_t bytes = runs.front().res.bytes;
+        const std::uint64_t calls = std::max<std::uint64_t>(
+          runs.front().res.chunks, (bytes + (std::uint64_t{4} << 30) - 1) >> 32);
+        nccl_bound_.push_back(refit::cuda::allgather_seconds(trainer_ordinals(), bytes,
+                                                             static_cast<std::uint32_t>(calls)));
         // The copy bound: one device copy of the published bytes on the first trainer GPU.
         copy_bound_.push_back(
           refit::cuda::copy_seconds(trainer_ordinals().front(), runs.front().res.bytes));
