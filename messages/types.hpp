@@ -124,6 +124,10 @@ struct generation_stats {
   std::uint64_t decode_expert_loads = 0;
   bool expert_loads_counted = false;
   std::uint64_t kv_bytes_per_position = 0;
+  std::uint64_t max_live_samples = 0;
+  std::uint64_t graph_replays = 0;
+  std::uint64_t graph_captures = 0;
+  std::uint64_t peak_workspace_bytes = 0;
 };
 
 template <class Inspector>
@@ -132,7 +136,8 @@ typename Inspector::result_type inspect(Inspector& f, generation_stats& x) {
            x.prefix_hit_tokens, x.generated_tokens, x.waves, x.forward_passes, x.prefill_seconds,
            x.decode_seconds, x.first_token_seconds, x.decode_steps, x.decode_tokens,
            x.decode_kv_positions, x.decode_expert_loads, x.expert_loads_counted,
-           x.kv_bytes_per_position);
+           x.kv_bytes_per_position, x.max_live_samples, x.graph_replays, x.graph_captures,
+           x.peak_workspace_bytes);
 }
 
 struct generate_result {

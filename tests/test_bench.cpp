@@ -154,6 +154,13 @@ TEST(Bench, GenerateReportIsCompleteAndConsistent) {
   const double kv_position = 2 * 2 * 1 * 16 * 4.0; // fp32 KV: layers x (k, v) x head x dim
   EXPECT_EQ(j["bytes_model"]["fixed_per_step"].get<double>(), attention + norms + router + lm_head);
   EXPECT_EQ(j["bytes_model"]["per_expert_load"].get<double>(), expert);
+  // Memory of TP worker 0: its resident weights, the recipe's KV arena, no device workspace.
+  EXPECT_GT(j["memory"]["weight_bytes"].get<double>(), 0.0);
+  EXPECT_EQ(j["memory"]["kv_cache_bytes"].get<std::uint64_t>(), 4194304u) << "tiny-synthetic.yaml";
+  EXPECT_EQ(j["memory"]["peak_workspace_bytes"].get<std::uint64_t>(), 0u) << "CPU";
+  EXPECT_EQ(j["memory"]["total_bytes"].get<std::uint64_t>(),
+            j["memory"]["weight_bytes"].get<std::uint64_t>()
+              + j["memory"]["kv_cache_bytes"].get<std::uint64_t>());
 
   ASSERT_EQ(j["batches"].size(), 2u);
   for (const auto& b : j["batches"]) {
@@ -186,6 +193,8 @@ TEST(Bench, GenerateReportIsCompleteAndConsistent) {
       const double steps = run["decode_steps"].get<double>();
       ASSERT_EQ(steps, tokens - 1);
       EXPECT_EQ(run["decode_tokens"].get<double>(), batch * steps);
+      EXPECT_EQ(run["max_live_samples"].get<unsigned>(), batch) << "one admission, no stops";
+      EXPECT_EQ(run["graph_replays"].get<unsigned>(), 0u) << "no CUDA graphs on the CPU";
       // Step k feeds position prompt + k - 1 of every sample and attends prompt + k positions.
       double kv = 0;
       for (unsigned k = 1; k < tokens; ++k)

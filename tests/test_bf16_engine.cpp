@@ -273,3 +273,36 @@ TEST(ContinuousBatching, TheBf16EngineIsBitwiseDeterministicRunToRun) {
 }
 
 } // namespace
+
+namespace {
+
+// SCORE on an engine whose cache is bf16: the fp32 forward reuses each bf16 block as an fp32
+// block of half the positions, so teacher forcing still matches the fp32 reference, and the
+// engine's blocks all come back.
+TEST(Bf16Engine, ScoreOnTheBf16ArenaIsTheFp32Reference) {
+  const auto cfg = refit::testing::tiny_model();
+  const auto w = engine_synthetic(cfg);
+  const std::uint64_t block = inf::kv_geometry::of(cfg, 1, 8, 2).block_bytes();
+  engine_group group(cfg, w, model::dtype::bfloat16, 24 * block, 8);
+  std::vector<std::vector<std::int32_t>> sequences = {engine_prompt(19, 1), engine_prompt(33, 2),
+                                                      engine_prompt(7, 3)};
+  const auto scored = group.engine->score(group.residents.pointers(), group.comm, sequences, 3);
+  ASSERT_EQ(scored.size(), sequences.size());
+  inf::sampling_config plain;
+  std::vector<inf::scored_sequence> seqs;
+  for (const auto& s : sequences)
+    seqs.push_back({{s.begin(), s.begin() + 3}, {s.begin() + 3, s.end()}});
+  const auto want = inf::reference_logprobs(cfg, w.params, w.pointers(), seqs, plain);
+  for (std::size_t i = 0; i < sequences.size(); ++i) {
+    ASSERT_EQ(scored[i].size(), sequences[i].size() - 3) << "sequence " << i;
+    for (std::size_t t = 0; t < scored[i].size(); ++t)
+      EXPECT_NEAR(scored[i][t], want[i][t], 1e-5) << "sequence " << i << " token " << t;
+  }
+  EXPECT_EQ(group.engine->available_blocks(), 24u);
+  // A sequence longer than the arena holds in fp32 blocks is refused naming it.
+  EXPECT_THROW(group.engine->score(group.residents.pointers(), group.comm,
+                                   {engine_prompt(24 * 4 + 2, 4)}, 1),
+               inf::request_error);
+}
+
+} // namespace

@@ -1384,6 +1384,10 @@ TEST(ProtocolConversions, GenerateStatsAndScoreRoundTrip) {
   st->set_decode_expert_loads(10);
   st->set_expert_loads_counted(true);
   st->set_kv_bytes_per_position(11);
+  st->set_max_live_samples(12);
+  st->set_graph_replays(13);
+  st->set_graph_captures(14);
+  st->set_peak_workspace_bytes(15);
   const auto r = protocol::from_proto(g).stats;
   EXPECT_EQ(r.prompt_tokens, 1u);
   EXPECT_EQ(r.computed_prompt_tokens, 2u);
@@ -1400,6 +1404,10 @@ TEST(ProtocolConversions, GenerateStatsAndScoreRoundTrip) {
   EXPECT_EQ(r.decode_expert_loads, 10u);
   EXPECT_TRUE(r.expert_loads_counted);
   EXPECT_EQ(r.kv_bytes_per_position, 11u);
+  EXPECT_EQ(r.max_live_samples, 12u);
+  EXPECT_EQ(r.graph_replays, 13u);
+  EXPECT_EQ(r.graph_captures, 14u);
+  EXPECT_EQ(r.peak_workspace_bytes, 15u);
 
   const refit::score_request req{{{1, 2, 3}, {4, 5}}, 1};
   const pb::ScoreRequest p = protocol::to_proto(req);

@@ -430,6 +430,22 @@ TEST(TraceCoordinator, EveryTpWorkerHasOneSpanPerGenerateRequest) {
       EXPECT_LE(gens[i].end, requests[i].end);
       EXPECT_GT(gens[i].args["generated_tokens"].get<long long>(), 0);
       EXPECT_GT(gens[i].args["prompts"].get<long long>(), 0);
+      // Inside each request: the engine's admission rounds (prefill) and one decode_step
+      // per generated token after the first, each inside the request's span.
+      std::size_t prefills = 0, steps = 0;
+      for (const auto& e : spans.at({tracks::runtime_pid, static_cast<int>(w)})) {
+        if (e.start < gens[i].start || e.end > gens[i].end)
+          continue;
+        if (e.name == "prefill")
+          ++prefills;
+        if (e.name == "decode_step") {
+          ++steps;
+          EXPECT_GT(e.args["batch"].get<long long>(), 0);
+          EXPECT_FALSE(e.args["cuda_graph"].get<bool>()) << "no CUDA graphs on the CPU";
+        }
+      }
+      EXPECT_GE(prefills, 1u) << "worker " << w << " request " << i;
+      EXPECT_GE(steps, 1u) << "worker " << w << " request " << i;
     }
   }
 }

@@ -293,7 +293,11 @@ json generate_bench::batch_report(std::uint32_t batch, const std::vector<measure
                 {"decode_expert_loads", st.decode_expert_loads},
                 {"expert_loads_counted", st.expert_loads_counted},
                 {"generated_tokens", r.generated},
-                {"waves", st.waves}};
+                {"waves", st.waves},
+                {"max_live_samples", st.max_live_samples},
+                {"graph_replays", st.graph_replays},
+                {"graph_captures", st.graph_captures},
+                {"peak_workspace_bytes", st.peak_workspace_bytes}};
     if (st.decode_steps > 0 && st.decode_seconds > 0) {
       const double steps = double(st.decode_steps);
       const double tokens = st.decode_tokens / steps;
@@ -415,6 +419,19 @@ json generate_bench::run() {
   out["weights"] = d.checkpoint_path.empty() ? std::string("synthetic") : d.checkpoint_path;
   out["tp"] = cfg_.runtime.tp_size;
   out["devices"] = cfg_.runtime.devices;
+  out["compute_dtype"] = cfg_.runtime.compute_dtype;
+  // Device memory of TP worker 0: weights and KV arena (describe), and the engine's peak
+  // workspace beyond them (the largest of the requests').
+  std::uint64_t workspace = 0;
+  for (const auto& b : batches)
+    for (const auto& r : b["runs"])
+      workspace = std::max<std::uint64_t>(workspace, r["peak_workspace_bytes"].get<std::uint64_t>());
+  if (!d.workers.empty())
+    out["memory"] = {{"weight_bytes", d.workers.front().weight_bytes_resident},
+                     {"kv_cache_bytes", d.workers.front().kv_cache_bytes_resident},
+                     {"peak_workspace_bytes", workspace},
+                     {"total_bytes", d.workers.front().weight_bytes_resident
+                                       + d.workers.front().kv_cache_bytes_resident + workspace}};
   out["prompt_len"] = o_.prompt_len;
   out["max_tokens"] = o_.max_tokens;
   out["temperature"] = o_.temperature;

@@ -67,6 +67,10 @@ inline pb::GenerateStats to_proto(const inference::generate_stats& st) {
   out.set_decode_expert_loads(st.decode_expert_loads);
   out.set_expert_loads_counted(st.expert_loads_counted);
   out.set_kv_bytes_per_position(st.kv_bytes_per_position);
+  out.set_max_live_samples(st.max_live_samples);
+  out.set_graph_replays(st.graph_replays);
+  out.set_graph_captures(st.graph_captures);
+  out.set_peak_workspace_bytes(st.peak_workspace_bytes);
   return out;
 }
 

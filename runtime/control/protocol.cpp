@@ -191,6 +191,10 @@ generate_result from_proto(const pb::GenerateResult& x) {
   g.decode_expert_loads = st.decode_expert_loads();
   g.expert_loads_counted = st.expert_loads_counted();
   g.kv_bytes_per_position = st.kv_bytes_per_position();
+  g.max_live_samples = st.max_live_samples();
+  g.graph_replays = st.graph_replays();
+  g.graph_captures = st.graph_captures();
+  g.peak_workspace_bytes = st.peak_workspace_bytes();
   return out;
 }
 

@@ -19,5 +19,6 @@ inline constexpr std::uint32_t protocol_version = 4; // 2: header.producer_pids
 // 4: the registry's collective_id (NCCL unique ids of trainer processes on GPUs).
 // 5: generate_result.stats.
 // 6: publication_spec, rank_report and publication_result carry the direct mode.
-inline constexpr std::uint32_t serve_protocol_version = 6;
+// 7: generation_stats: max_live_samples, CUDA-graph replays / captures, peak workspace.
+inline constexpr std::uint32_t serve_protocol_version = 7;
 } // namespace refit::wire
