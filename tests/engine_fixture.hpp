@@ -142,6 +142,20 @@ struct engine_rig {
     return rows;
   }
 
+  // Last-token logits of a prefill of tokens[0, split) and then of one decode step per token,
+  // over the blocks of `table` (for placement tests: the table's order must not matter).
+  std::vector<float> logits_over(const std::vector<std::uint32_t>& table,
+                                 const std::vector<std::int32_t>& tokens, std::uint32_t split) {
+    std::vector<float> rows = forward->forward({{table.data(), table.size(), 0, tokens.data(), split}},
+                                               arena, inference::logits_rows::last_token);
+    for (std::uint32_t t = split; t < tokens.size(); ++t) {
+      auto row = forward->forward({{table.data(), table.size(), t, tokens.data() + t, 1}}, arena,
+                                  inference::logits_rows::last_token);
+      rows.insert(rows.end(), row.begin(), row.end());
+    }
+    return rows;
+  }
+
   model::model_config cfg_;
   inference::single_rank_comm comm_;
   inference::resident_set host_;

@@ -95,19 +95,8 @@ TEST(Bf16Engine, PagedAttentionOverScatteredBlocksEqualsContiguousBlocks) {
   auto rig = cpu_rig(mem, cfg, w, model::dtype::bfloat16, bs, 32);
   const std::vector<std::uint32_t> contiguous = {0, 1, 2, 3, 4, 5, 6, 7};
   const std::vector<std::uint32_t> scattered = {31, 5, 17, 2, 29, 11, 23, 8};
-  const auto run = [&](const std::vector<std::uint32_t>& table) {
-    std::vector<float> rows =
-      rig.forward->forward({{table.data(), table.size(), 0, tokens.data(), 10}}, rig.arena,
-                           inf::logits_rows::last_token);
-    for (std::uint32_t t = 10; t < tokens.size(); ++t) {
-      auto row = rig.forward->forward({{table.data(), table.size(), t, tokens.data() + t, 1}},
-                                      rig.arena, inf::logits_rows::last_token);
-      rows.insert(rows.end(), row.begin(), row.end());
-    }
-    return rows;
-  };
-  const auto a = run(contiguous);
-  const auto b = run(scattered);
+  const auto a = rig.logits_over(contiguous, tokens, 10);
+  const auto b = rig.logits_over(scattered, tokens, 10);
   ASSERT_EQ(a.size(), b.size());
   EXPECT_EQ(a, b) << "where the blocks live must not change a single bit";
 }

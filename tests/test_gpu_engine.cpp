@@ -119,18 +119,8 @@ TEST(GpuEngine, PagedAttentionAcrossBlockBoundaries) {
   const auto tokens = engine_prompt(29, 3);
   device_memory mem;
   auto rig = gpu_rig(mem, cfg, w, model::dtype::bfloat16, 4, 32);
-  const auto run = [&](const std::vector<std::uint32_t>& table) {
-    std::vector<float> rows =
-      rig.forward->forward({{table.data(), table.size(), 0, tokens.data(), 10}}, rig.arena,
-                           inf::logits_rows::last_token);
-    for (std::uint32_t t = 10; t < tokens.size(); ++t) {
-      auto row = rig.forward->forward({{table.data(), table.size(), t, tokens.data() + t, 1}},
-                                      rig.arena, inf::logits_rows::last_token);
-      rows.insert(rows.end(), row.begin(), row.end());
-    }
-    return rows;
-  };
-  EXPECT_EQ(run({0, 1, 2, 3, 4, 5, 6, 7}), run({31, 5, 17, 2, 29, 11, 23, 8}));
+  EXPECT_EQ(rig.logits_over({0, 1, 2, 3, 4, 5, 6, 7}, tokens, 10),
+            rig.logits_over({31, 5, 17, 2, 29, 11, 23, 8}, tokens, 10));
 }
 
 // Five prefilled sequences, then decode steps sampled through forward_sample.

@@ -156,11 +156,8 @@ std::uint64_t engine::reset_prefix_cache() {
   return dropped;
 }
 
-rank_forward& engine::forward_for(const std::vector<const std::byte*>& residents, tp_comm& comm) {
-  const bool keep = options_.compute_dtype == model::dtype::bfloat16;
-  if (keep && forward_ && forward_residents_ == residents && forward_comm_ == &comm)
-    return *forward_;
-  forward_.reset();
+rank_forward_options engine::forward_options(const std::vector<const std::byte*>& residents,
+                                             tp_comm& comm) const {
   rank_forward_options fo;
   fo.model = cfg_;
   fo.tp = layout_->tp();
@@ -174,7 +171,15 @@ rank_forward& engine::forward_for(const std::vector<const std::byte*>& residents
   fo.cuda_device = options_.cuda_device;
   fo.compute_dtype = options_.compute_dtype;
   fo.cuda_graphs = options_.cuda_graphs;
-  forward_ = make_rank_forward(fo);
+  return fo;
+}
+
+rank_forward& engine::forward_for(const std::vector<const std::byte*>& residents, tp_comm& comm) {
+  const bool keep = options_.compute_dtype == model::dtype::bfloat16;
+  if (keep && forward_ && forward_residents_ == residents && forward_comm_ == &comm)
+    return *forward_;
+  forward_.reset();
+  forward_ = make_rank_forward(forward_options(residents, comm));
   forward_residents_ = residents;
   forward_comm_ = &comm;
   return *forward_;

@@ -201,6 +201,9 @@ private:
   const kv_geometry kv_;
   std::byte* const arena_;
   const std::uint64_t arena_bytes_;
+  // This engine's forward options over `residents` (score.cpp adjusts them for fp32).
+  rank_forward_options forward_options(const std::vector<const std::byte*>& residents,
+                                       tp_comm& comm) const;
   // The forward of this request (the bf16 engine's is kept while residents and comm stay).
   rank_forward& forward_for(const std::vector<const std::byte*>& residents, tp_comm& comm);
 

@@ -89,16 +89,9 @@ std::vector<std::vector<float>> engine::score(const std::vector<const std::byte*
   const auto waves = plan_score(cfg_, kv, arena_bytes_, sequences, start);
   const std::size_t vocab = cfg_.vocab_size;
 
-  rank_forward_options fo;
-  fo.model = cfg_;
-  fo.tp = layout_->tp();
-  fo.rank = rank_;
-  fo.weights = bind_weights(cfg_, *layout_, residents);
-  fo.comm = &comm;
+  rank_forward_options fo = forward_options(residents, comm);
   fo.kv = kv;
   fo.cache_fp32_weights = false; // no full fp32 copy of the weights
-  fo.compute_threads = options_.compute_threads;
-  fo.cuda_device = options_.cuda_device;
   fo.compute_dtype = model::dtype::float32; // the reference, whatever generation computes in
   const std::unique_ptr<rank_forward> model = make_rank_forward(fo);
 

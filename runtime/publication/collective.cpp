@@ -64,6 +64,17 @@ std::string missing_ranks_message(const std::vector<const std::vector<gather_ite
   return (missing == 1 ? "rank " : "ranks ") + ranks + " did not arrive within the deadline";
 }
 
+// Pieces whose sizes differ by at most a quarter of the largest (an FSDP2 Shard(0) split:
+// equal rows but for the trailing ranks').
+bool balanced(const std::vector<gather_piece>& pieces) {
+  std::uint64_t largest = 0, smallest = UINT64_MAX;
+  for (const auto& p : pieces) {
+    largest = std::max(largest, p.bytes);
+    smallest = std::min(smallest, p.bytes);
+  }
+  return largest - smallest <= largest / 4;
+}
+
 } // namespace
 
 std::string check_item_layout(const gather_item& it, std::uint32_t world, std::uint32_t rank) {
@@ -118,8 +129,25 @@ collective_status local_collective::all_gather(std::uint32_t rank,
     // into its own output. Pieces are unequal there (a fused expert's canonical tensors come
     // whole from the one rank holding the expert), so pushing would leave that rank copying
     // into every buffer while the others wait; pulling gives each rank one tensor's bytes.
+    // A variable-layout item whose pieces are balanced (an FSDP2 Shard(0) tensor: ranks hold
+    // ceil(N / W) rows, the last ones fewer or none) is pushed like the uniform layout: each
+    // piece is read once. Only unbalanced items (a fused expert held whole by one rank) are
+    // pulled.
     std::vector<std::byte*> outs(world_);
     for (std::size_t i = 0; i < items.size(); ++i) {
+      if (!items[i].pieces.empty() && balanced(items[i].pieces)) {
+        const auto& own = items[i].pieces[rank];
+        if (own.bytes == 0)
+          continue;
+        std::size_t count = 0;
+        for (std::uint32_t dst = 0; dst < world_; ++dst) {
+          std::byte* to = (*posted[dst])[i].out + own.offset;
+          if (to != items[i].shard)
+            outs[count++] = to;
+        }
+        bulk_copy_to_all(outs.data(), count, items[i].shard, own.bytes);
+        continue;
+      }
       if (!items[i].pieces.empty()) {
         for (std::uint32_t q = 0; q < world_; ++q) {
           const auto& piece = items[i].pieces[q];
