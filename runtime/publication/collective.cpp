@@ -75,6 +75,16 @@ bool balanced(const std::vector<gather_piece>& pieces) {
   return largest - smallest <= largest / 4;
 }
 
+// Whether the bytes each rank would push over all of `items` (its own pieces of the
+// variable-layout ones, its shard of the uniform ones) are within a quarter of the largest.
+bool balanced_pushes(const std::vector<gather_item>& items, std::uint32_t world) {
+  std::vector<gather_piece> per_rank(world);
+  for (const auto& it : items)
+    for (std::uint32_t r = 0; r < world; ++r)
+      per_rank[r].bytes += it.pieces.empty() ? it.shard_bytes : it.pieces[r].bytes;
+  return balanced(per_rank);
+}
+
 } // namespace
 
 std::string check_item_layout(const gather_item& it, std::uint32_t world, std::uint32_t rank) {
@@ -133,9 +143,12 @@ collective_status local_collective::all_gather(std::uint32_t rank,
     // ceil(N / W) rows, the last ones fewer or none) is pushed like the uniform layout: each
     // piece is read once. Only unbalanced items (a fused expert held whole by one rank) are
     // pulled.
+    // Unbalanced items are pushed too when, over the whole call, every rank pushes about the
+    // same bytes (fused experts alternate between owners within a chunk).
+    const bool push_all = balanced_pushes(items, world_);
     std::vector<std::byte*> outs(world_);
     for (std::size_t i = 0; i < items.size(); ++i) {
-      if (!items[i].pieces.empty() && balanced(items[i].pieces)) {
+      if (!items[i].pieces.empty() && (push_all || balanced(items[i].pieces))) {
         const auto& own = items[i].pieces[rank];
         if (own.bytes == 0)
           continue;
