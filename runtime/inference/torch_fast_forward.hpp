@@ -1,0 +1,272 @@
+// The bf16 engine's class (torch_fast_forward.cpp: construction, inputs, CUDA graphs, the
+// rank_forward API; torch_fast_layers.cpp: the model's layers). Only the LibTorch module's
+// translation units include this header.
+//
+// The bf16 engine of rank_forward (forward.hpp): bf16 weights read in place, bf16 activations
+// into every GEMM (fp32 accumulation in the GEMM), the residual stream, norms, RoPE, softmaxes
+// and the expert mix in fp32, KV cache in bf16.
+//
+// One step, per layer: qkv GEMM, q/k RMSNorm + RoPE, K/V scattered into their paged slots
+// (index_put over a view of the arena), attention (prefill: one causal SDPA over the batch of
+// fresh prompts, per item over the cache when a cached prefix precedes; decode: the items'
+// block tables gathered into [B, kv heads, L, head_dim] and one SDPA with a length mask in
+// which the q heads of one KV head play the query positions), o_proj (+ TP all-reduce);
+// router softmax in fp32, top-k by a stable sort (ties: lower expert id), the token copies
+// sorted by expert (stable) and one grouped GEMM per projection over the expert-contiguous
+// rows (at::_grouped_mm where LibTorch has it, else a loop over the non-empty experts),
+// SiLU(gate) * up, the results put back in token order and mixed by the routing weights in
+// fp32 (+ all-reduce). Nothing in a step reads device memory on the host except the sampled
+// tokens at its end (and the expert counts of the fallback loop).
+//
+// On a CUDA device at tp 1 a decode step (every item one token) is captured once per
+// (batch bucket, block-table bucket) as a CUDA graph and replayed: the step's inputs
+// (tokens, positions, slots, block tables, lengths) are one int64 buffer copied host ->
+// device before the replay; rows past the batch repeat row 0 and write row 0's K/V values to
+// row 0's slot, so padding never touches another sequence's cache.
+//
+// On a GPU the fused kernels of torch_kernels.hpp replace the ATen chains above where the
+// shapes allow (rank_forward_options::fused_kernels); the ATen chains stay the CPU path and
+// the baseline the GPU tests compare the kernels against.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/InferenceMode.h>
+
+#if defined(REFIT_TORCH_CUDA)
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <map>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "runtime/inference/forward.hpp"
+#include "runtime/inference/torch_device_sampling.hpp"
+#if defined(REFIT_TORCH_CUDA)
+#include "runtime/inference/torch_kernels.hpp"
+#endif
+
+#if __has_include(<ATen/ops/_grouped_mm.h>)
+#define REFIT_HAVE_GROUPED_MM 1
+#endif
+#if __has_include(<ATen/ops/scaled_dot_product_attention.h>)
+#define REFIT_HAVE_SDPA 1
+#endif
+
+namespace refit::inference {
+
+rank_forward* create_fast_forward(const rank_forward_options& options);
+
+namespace bf16 {
+
+// Step inputs, all int64 on the device. tokens/positions/src_row/write_block/write_slot: [n]
+// (n = tokens of the step); table: [B, W] block ids; lengths: [B] context lengths (decode).
+struct step_inputs {
+  at::Tensor tokens;
+  at::Tensor positions;
+  at::Tensor write_block;
+  at::Tensor write_slot;
+  at::Tensor src_row; // K/V written for token i are those of token src_row[i]
+  at::Tensor table;
+  at::Tensor lengths;
+};
+
+// The CUDA-graph batch bucket of n rows (0: no graph), and the power of two >= n.
+std::int64_t bucket_of(std::int64_t n);
+std::int64_t pow2_at_least(std::int64_t n);
+
+class fast_rank_forward final : public rank_forward {
+public:
+  explicit fast_rank_forward(const rank_forward_options& o);
+
+  std::vector<float> forward(const std::vector<forward_item>& items, std::byte* kv_base,
+                             logits_rows rows) override;
+
+  forward_counters counters() const override;
+
+  std::uint64_t graph_replays() const override { return counters_.graph_replays; }
+
+protected:
+  bool samples_on_device() const override { return true; }
+
+  std::vector<sampled_token> forward_sample_device(const std::vector<forward_item>& items,
+                                                   std::byte* kv_base,
+                                                   const sampling_config& params,
+                                                   const std::vector<sample_draw>& draws,
+                                                   const std::vector<double>& uniforms) override;
+
+private:
+  // Inference mode, the device, the engine's stream and the threads, for one call.
+  struct scope {
+    explicit scope(const fast_rank_forward& f) : device_guard(f.device_) {
+      if (f.o_.compute_threads > 0 && at::get_num_threads() != f.o_.compute_threads)
+        at::set_num_threads(f.o_.compute_threads);
+#if defined(REFIT_TORCH_CUDA)
+      if (f.stream_)
+        stream_guard.emplace(*f.stream_);
+#endif
+    }
+    c10::InferenceMode inference_mode;
+    c10::DeviceGuard device_guard;
+#if defined(REFIT_TORCH_CUDA)
+    std::optional<c10::cuda::CUDAStreamGuard> stream_guard;
+#endif
+  };
+
+  struct layer_tensors {
+    at::Tensor qkv, o, q_norm, k_norm, router, w13, w2, input_norm, post_norm;
+  };
+
+  at::Tensor view(const std::byte* p, at::IntArrayRef shape) const {
+    return at::from_blob(const_cast<std::byte*>(p), shape, bf_); // never written
+  }
+
+  void bind();
+
+  static bool is_decode(const std::vector<forward_item>& items) {
+    return std::all_of(items.begin(), items.end(),
+                       [](const forward_item& i) { return i.count == 1; });
+  }
+
+  at::Tensor upload(const std::vector<std::int64_t>& values) const {
+    return at::from_blob(const_cast<std::int64_t*>(values.data()),
+                         {static_cast<std::int64_t>(values.size())}, at::kLong)
+      .to(device_);
+  }
+
+  // [nb, block, kv heads, head_dim] view of (layer, k|v) over the arena at kv_base (the bf16
+  // engine's block layout: [layer][k|v][slot][kv head][head_dim]).
+  at::Tensor kv_view(std::byte* kv_base, std::uint32_t layer, std::uint32_t kind) const {
+    return at::from_blob(kv_base,
+                         {static_cast<std::int64_t>(o_.kv_blocks), std::int64_t{cfg_.num_hidden_layers},
+                          2, std::int64_t{o_.kv.block_size}, kv_heads_, head_dim_},
+                         bf_)
+      .select(1, layer)
+      .select(1, kind);
+  }
+
+  void validate(const std::vector<forward_item>& items) const;
+
+  // Host-side step inputs of `items`, padded to `batch` rows (decode) and W table columns.
+  struct host_inputs {
+    std::vector<std::int64_t> tokens, positions, write_block, write_slot, src_row, table,
+      lengths;
+  };
+  host_inputs gather_inputs(const std::vector<forward_item>& items, std::int64_t batch,
+                            std::int64_t width) const;
+
+  // cos / sin tables [P, head_dim / 2] covering positions < `positions` (grown eagerly).
+  void ensure_rope(std::int64_t positions);
+
+  at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w) const;
+
+  at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) const;
+
+  void all_reduce(at::Tensor& t) const;
+
+  // The model over the step; returns logits [rows, vocab] fp32 on the device. `decode`: every
+  // item is one token and attention reads in.table / in.lengths; else `items` drive the
+  // prefill attention.
+  at::Tensor model(const step_inputs& in, std::byte* kv_base, const std::vector<forward_item>* items,
+                   const at::Tensor& picked, bool decode);
+
+  // softmax(q k^T / sqrt(d)) v over [B, heads, Lq, d] with a boolean mask (true: attend).
+  at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const std::optional<at::Tensor>& mask, bool causal) const;
+
+  // Decode: q [B, Hq, d]; the blocks of in.table gathered to [B, Hkv, W * block, d].
+  at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
+                              const step_inputs& in) const;
+
+  // Prefill: fresh prompts (position 0) in one padded causal batch; items after a cached
+  // prefix one by one over their cache.
+  at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& kc, const at::Tensor& vc,
+                               const std::vector<forward_item>& items) const;
+
+  // x [M, K] (rows grouped by expert: counts) times w [E, N, K]^T per group -> [M, N].
+  at::Tensor grouped(const at::Tensor& x, const at::Tensor& w, const at::Tensor& counts,
+                     const at::Tensor& offsets) const;
+
+  // The routed experts of h, added into the residual stream x (after the TP all-reduce).
+  void experts(const layer_tensors& w, const at::Tensor& h, bool decode, at::Tensor& x);
+
+  // x (fp32, contiguous) += the all-reduced bf16 `out`.
+  void add_residual(at::Tensor& x, const at::Tensor& out);
+
+  // RMSNorm of fp32 x (contiguous [n, H]) to bf16.
+  at::Tensor norm_bf16(const at::Tensor& x, const at::Tensor& w) const;
+
+  // Decode attention of one layer through the fused kernels: q/k norm + RoPE + the K/V
+  // writes, then attention over the paged cache.
+  at::Tensor fused_decode_layer_attention(const at::Tensor& qkv, const layer_tensors& w,
+                                          const step_inputs& in, std::byte* kv_base,
+                                          std::uint32_t layer);
+
+#if defined(REFIT_TORCH_CUDA)
+  void* stream() const { return c10::cuda::getCurrentCUDAStream(device_.index()).stream(); }
+#endif
+
+  at::Tensor run_eager(const std::vector<forward_item>& items, std::byte* kv_base,
+                       logits_rows rows);
+
+#if defined(REFIT_TORCH_CUDA)
+  struct graph_entry {
+    at::cuda::CUDAGraph graph;
+    at::Tensor host;   // pinned int64 staging of the inputs
+    at::Tensor device; // the same on the device; `in` are views of it
+    step_inputs in;
+    at::Tensor picked;
+    at::Tensor logits; // the graph's output
+    std::byte* kv_base = nullptr;
+  };
+
+  static std::size_t allocated_bytes_of(c10::DeviceIndex d) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(d);
+    return static_cast<std::size_t>(stats.reserved_bytes[0].current);
+  }
+  std::int64_t allocated_bytes() const {
+    return static_cast<std::int64_t>(allocated_bytes_of(device_.index()));
+  }
+#endif
+
+  at::Tensor run_graph(const std::vector<forward_item>& items, std::byte* kv_base);
+
+  const rank_forward_options o_;
+  const model::model_config& cfg_;
+  const std::int64_t hidden_, head_dim_, q_heads_, kv_heads_, inter_, experts_, top_k_;
+  const std::int64_t vocab_rows_, first_vocab_;
+  const at::Device device_;
+  const at::TensorOptions bf_, f32_, i64_;
+  at::Tensor embed_, final_norm_, lm_head_;
+  std::vector<layer_tensors> layers_;
+  std::vector<float> inv_freq_;
+  at::Tensor cos_, sin_;
+  std::int64_t rope_positions_ = 0;
+  at::Tensor expert_loads_;
+  forward_counters counters_;
+  bool graphs_enabled_ = false;
+  bool fused_ = false;                  // the fused CUDA kernels (torch_kernels.cu)
+  bool fused_decode_attention_ = false; // their decode attention supports this shape
+#if defined(REFIT_TORCH_CUDA)
+  std::optional<c10::cuda::CUDAStream> stream_;
+  std::int64_t baseline_bytes_ = 0;
+  std::map<std::pair<std::int64_t, std::int64_t>, std::unique_ptr<graph_entry>> graphs_;
+#endif
+};
+
+} // namespace bf16
+
+} // namespace refit::inference

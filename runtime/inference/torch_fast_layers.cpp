@@ -1,0 +1,386 @@
+// The bf16 engine's layers (torch_fast_forward.hpp): embedding, attention (prefill and
+// decode, ATen or the fused kernels), the routed experts and the lm_head of one step.
+#include "runtime/inference/torch_fast_forward.hpp"
+
+namespace refit::inference::bf16 {
+
+at::Tensor fast_rank_forward::rms_norm(const at::Tensor& x, const at::Tensor& w) const {
+  const at::Tensor variance = x.pow(2).mean(-1, /*keepdim=*/true);
+  return x * at::rsqrt(variance + cfg_.rms_norm_eps) * w; // fp32 (w promoted)
+}
+
+at::Tensor fast_rank_forward::rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) const {
+  const std::int64_t half = head_dim_ / 2;
+  const at::Tensor x1 = x.narrow(-1, 0, half);
+  const at::Tensor x2 = x.narrow(-1, half, half);
+  return at::cat({x1 * cos - x2 * sin, x2 * cos + x1 * sin}, -1);
+}
+
+void fast_rank_forward::all_reduce(at::Tensor& t) const {
+  if (o_.tp == 1)
+    return;
+  at::Tensor host = t.to(at::kFloat).contiguous().cpu();
+  o_.comm->all_reduce_sum(o_.rank, host.data_ptr<float>(), static_cast<std::size_t>(host.numel()));
+  t = host.to(t.device()).to(t.scalar_type());
+}
+
+// The model over the step; returns logits [rows, vocab] fp32 on the device. `decode`: every
+// item is one token and attention reads in.table / in.lengths; else `items` drive the
+// prefill attention.
+at::Tensor fast_rank_forward::model(const step_inputs& in, std::byte* kv_base, const std::vector<forward_item>* items,
+                 const at::Tensor& picked, bool decode) {
+  const std::int64_t n = in.tokens.size(0);
+  at::Tensor x;
+  if (o_.tp == 1) {
+    x = embed_.index_select(0, in.tokens).to(at::kFloat);
+  } else {
+    const at::Tensor row = in.tokens - first_vocab_;
+    const at::Tensor valid = (row >= 0).logical_and(row < vocab_rows_);
+    x = embed_.index_select(0, row.clamp(0, vocab_rows_ - 1)).to(at::kFloat)
+        * valid.unsqueeze(1).to(at::kFloat);
+    all_reduce(x);
+  }
+  const at::Tensor cos = cos_.index_select(0, in.positions).unsqueeze(1);
+  const at::Tensor sin = sin_.index_select(0, in.positions).unsqueeze(1);
+  const std::int64_t q_cols = q_heads_ * head_dim_;
+  const std::int64_t kv_cols = kv_heads_ * head_dim_;
+
+  const bool fused_attention = decode && fused_ && fused_decode_attention_;
+  for (std::uint32_t layer = 0; layer < cfg_.num_hidden_layers; ++layer) {
+    const layer_tensors& w = layers_[layer];
+    at::Tensor h = norm_bf16(x, w.input_norm);
+    const at::Tensor qkv = at::matmul(h, w.qkv.t());
+    at::Tensor kc = kv_view(kv_base, layer, 0);
+    at::Tensor vc = kv_view(kv_base, layer, 1);
+    at::Tensor attn;
+    if (fused_attention) {
+      attn = fused_decode_layer_attention(qkv, w, in, kv_base, layer);
+    } else {
+      at::Tensor q = qkv.narrow(1, 0, q_cols).reshape({n, q_heads_, head_dim_});
+      at::Tensor k = qkv.narrow(1, q_cols, kv_cols).reshape({n, kv_heads_, head_dim_});
+      const at::Tensor v =
+        qkv.narrow(1, q_cols + kv_cols, kv_cols).reshape({n, kv_heads_, head_dim_});
+      q = rope(rms_norm(q.to(at::kFloat), w.q_norm), cos, sin).to(at::kBFloat16);
+      k = rope(rms_norm(k.to(at::kFloat), w.k_norm), cos, sin).to(at::kBFloat16);
+      const at::Tensor k_src = decode ? k.index_select(0, in.src_row) : k;
+      const at::Tensor v_src = decode ? v.index_select(0, in.src_row) : v;
+      kc.index_put_({in.write_block, in.write_slot}, k_src);
+      vc.index_put_({in.write_block, in.write_slot}, v_src);
+      attn = decode ? decode_attention(q, kc, vc, in) : prefill_attention(q, k, v, kc, vc, *items);
+    }
+    const at::Tensor out = at::matmul(attn, w.o.t());
+    add_residual(x, out);
+
+    h = norm_bf16(x, w.post_norm);
+    experts(w, h, decode, x);
+  }
+
+  const at::Tensor xf = norm_bf16(x.index_select(0, picked).contiguous(), final_norm_);
+  at::Tensor local = at::matmul(xf, lm_head_.t()).to(at::kFloat);
+  if (o_.tp == 1)
+    return local.narrow(1, 0, std::int64_t{cfg_.vocab_size});
+  const std::int64_t r = local.size(0);
+  at::Tensor host = local.contiguous().cpu();
+  at::Tensor gathered = at::empty({static_cast<std::int64_t>(o_.tp), r, vocab_rows_}, at::kFloat);
+  o_.comm->all_gather(o_.rank, host.data_ptr<float>(), static_cast<std::size_t>(host.numel()),
+                      gathered.data_ptr<float>());
+  return gathered.permute({1, 0, 2})
+    .reshape({r, static_cast<std::int64_t>(o_.tp) * vocab_rows_})
+    .narrow(1, 0, std::int64_t{cfg_.vocab_size})
+    .to(device_);
+}
+
+// softmax(q k^T / sqrt(d)) v over [B, heads, Lq, d] with a boolean mask (true: attend).
+at::Tensor fast_rank_forward::attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const std::optional<at::Tensor>& mask, bool causal) const {
+#if defined(REFIT_HAVE_SDPA)
+  return at::scaled_dot_product_attention(q, k, v, mask, 0.0, causal && !mask);
+#else
+  at::Tensor scores = at::matmul(q.to(at::kFloat), k.to(at::kFloat).transpose(-1, -2))
+                      * (1.0 / std::sqrt(static_cast<double>(head_dim_)));
+  if (mask)
+    scores = scores.masked_fill(mask->logical_not(), -std::numeric_limits<float>::infinity());
+  else if (causal) {
+    const std::int64_t lq = q.size(-2);
+    const at::Tensor allowed = at::ones({lq, k.size(-2)}, q.options().dtype(at::kBool)).tril();
+    scores = scores.masked_fill(allowed.logical_not(), -std::numeric_limits<float>::infinity());
+  }
+  return at::matmul(at::softmax(scores, -1), v.to(at::kFloat)).to(q.scalar_type());
+#endif
+}
+
+// Decode: q [B, Hq, d]; the blocks of in.table gathered to [B, Hkv, W * block, d].
+at::Tensor fast_rank_forward::decode_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
+                            const step_inputs& in) const {
+  const std::int64_t b = in.table.size(0);
+  const std::int64_t width = in.table.size(1);
+  const std::int64_t bs = o_.kv.block_size;
+  const std::int64_t length = width * bs;
+  const at::Tensor flat = in.table.reshape({-1});
+  const auto gather = [&](const at::Tensor& cache) { // [B, Hkv, L, d], strided
+    return cache.index_select(0, flat).view({b, length, kv_heads_, head_dim_}).transpose(1, 2);
+  };
+  const at::Tensor keys = gather(kc);
+  const at::Tensor values = gather(vc);
+  const std::int64_t group = q_heads_ / kv_heads_;
+  const at::Tensor queries = q.view({b, kv_heads_, group, head_dim_});
+  const at::Tensor mask = (at::arange(length, i64_).unsqueeze(0) < in.lengths.unsqueeze(1))
+                            .view({b, 1, 1, length});
+  return attention(queries, keys, values, mask, false).reshape({b, q_heads_ * head_dim_});
+}
+
+// Prefill: fresh prompts (position 0) in one padded causal batch; items after a cached
+// prefix one by one over their cache.
+at::Tensor fast_rank_forward::prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const at::Tensor& kc, const at::Tensor& vc,
+                             const std::vector<forward_item>& items) const {
+  const std::int64_t n = q.size(0);
+  const std::int64_t group = q_heads_ / kv_heads_;
+  at::Tensor out = at::empty({n, q_heads_ * head_dim_}, bf_);
+  std::vector<std::int64_t> fresh_rows, fresh_out, fresh_len;
+  std::int64_t longest = 0;
+  std::int64_t offset = 0;
+  for (const auto& item : items) {
+    if (item.position == 0) {
+      longest = std::max<std::int64_t>(longest, item.count);
+      fresh_len.push_back(item.count);
+      fresh_out.push_back(offset);
+    } else {
+      const std::int64_t length = std::int64_t{item.position} + item.count;
+      std::vector<std::int64_t> blocks(item.block_table,
+                                       item.block_table + (length + o_.kv.block_size - 1)
+                                                            / o_.kv.block_size);
+      const at::Tensor index = upload(blocks);
+      const auto gather = [&](const at::Tensor& cache) {
+        return cache.index_select(0, index)
+          .reshape({-1, kv_heads_, head_dim_})
+          .narrow(0, 0, length)
+          .permute({1, 0, 2})
+          .repeat_interleave(group, 0)
+          .unsqueeze(0);
+      };
+      const at::Tensor qi = q.narrow(0, offset, item.count).transpose(0, 1).unsqueeze(0);
+      const at::Tensor key_pos = at::arange(length, i64_).view({1, length});
+      const at::Tensor query_pos =
+        at::arange(std::int64_t{item.position}, length, i64_).view({item.count, 1});
+      const at::Tensor mask = (key_pos <= query_pos).view({1, 1, item.count, length});
+      const at::Tensor ctx = attention(qi, gather(kc), gather(vc), mask, false);
+      out.narrow(0, offset, item.count)
+        .copy_(ctx.squeeze(0).transpose(0, 1).reshape({item.count, q_heads_ * head_dim_}));
+    }
+    offset += item.count;
+  }
+  if (fresh_len.empty())
+    return out;
+  // Padded [F, longest] batch of the fresh prompts (padding repeats an item's last row).
+  const auto f = static_cast<std::int64_t>(fresh_len.size());
+  for (std::int64_t i = 0; i < f; ++i)
+    for (std::int64_t t = 0; t < longest; ++t)
+      fresh_rows.push_back(fresh_out[static_cast<std::size_t>(i)]
+                           + std::min(t, fresh_len[static_cast<std::size_t>(i)] - 1));
+  const at::Tensor rows = upload(fresh_rows);
+  const auto batch = [&](const at::Tensor& t, std::int64_t heads) {
+    return t.index_select(0, rows).view({f, longest, heads, head_dim_}).transpose(1, 2);
+  };
+  const bool equal = std::all_of(fresh_len.begin(), fresh_len.end(),
+                                 [&](std::int64_t l) { return l == longest; });
+  std::optional<at::Tensor> mask;
+  if (!equal) {
+    const at::Tensor pos = at::arange(longest, i64_);
+    const at::Tensor lens = upload(fresh_len).view({f, 1, 1, 1});
+    mask = (pos.view({1, 1, 1, longest}) <= pos.view({1, 1, longest, 1}))
+             .logical_and(pos.view({1, 1, 1, longest}) < lens);
+  }
+  const at::Tensor ctx = attention(batch(q, q_heads_), batch(k, kv_heads_).repeat_interleave(group, 1),
+                                   batch(v, kv_heads_).repeat_interleave(group, 1), mask, true)
+                           .transpose(1, 2)
+                           .reshape({f * longest, q_heads_ * head_dim_});
+  for (std::int64_t i = 0; i < f; ++i)
+    out.narrow(0, fresh_out[static_cast<std::size_t>(i)], fresh_len[static_cast<std::size_t>(i)])
+      .copy_(ctx.narrow(0, i * longest, fresh_len[static_cast<std::size_t>(i)]));
+  return out;
+}
+
+// x [M, K] (rows grouped by expert: counts) times w [E, N, K]^T per group -> [M, N].
+at::Tensor fast_rank_forward::grouped(const at::Tensor& x, const at::Tensor& w, const at::Tensor& counts,
+                   const at::Tensor& offsets) const {
+#if defined(REFIT_HAVE_GROUPED_MM)
+  const bool aligned = w.size(1) % 8 == 0 && w.size(2) % 8 == 0;
+  if (device_.is_cuda() && aligned)
+    return at::_grouped_mm(x, w.transpose(1, 2), offsets);
+#endif
+  (void)offsets;
+  at::Tensor out = at::empty({x.size(0), w.size(1)}, x.options());
+  const at::Tensor host = counts.cpu(); // the fallback's host sync
+  const std::int64_t* c = host.data_ptr<std::int64_t>();
+  std::int64_t start = 0;
+  for (std::int64_t e = 0; e < experts_; ++e) {
+    if (c[e] == 0)
+      continue;
+    out.narrow(0, start, c[e]).copy_(at::matmul(x.narrow(0, start, c[e]), w[e].t()));
+    start += c[e];
+  }
+  return out;
+}
+
+// The routed experts of h, added into the residual stream x (after the TP all-reduce).
+void fast_rank_forward::experts(const layer_tensors& w, const at::Tensor& h, bool decode, at::Tensor& x) {
+  const std::int64_t n = h.size(0);
+  const at::Tensor router_logits = at::matmul(h, w.router.t()); // bf16 [n, E]
+  at::Tensor weights; // fp32 [n, k]
+  at::Tensor chosen;  // int64 [n * k]
+#if defined(REFIT_TORCH_CUDA)
+  if (fused_ && kernels::route_supported(static_cast<int>(experts_), static_cast<int>(top_k_))) {
+    at::Tensor ids = at::empty({n, top_k_}, i64_);
+    weights = at::empty({n, top_k_}, f32_);
+    kernels::route(router_logits.data_ptr(), static_cast<int>(n), static_cast<int>(experts_),
+                   static_cast<int>(top_k_), cfg_.norm_topk_prob, ids.data_ptr<std::int64_t>(),
+                   weights.data_ptr<float>(), stream());
+    chosen = ids.reshape({-1});
+  }
+#endif
+  if (!chosen.defined()) {
+    const at::Tensor probs = at::softmax(router_logits.to(at::kFloat), -1);
+    auto ranked = at::sort(probs, /*stable=*/true, /*dim=*/-1, /*descending=*/true);
+    weights = std::get<0>(ranked).narrow(1, 0, top_k_);
+    chosen = std::get<1>(ranked).narrow(1, 0, top_k_).reshape({-1});
+    if (cfg_.norm_topk_prob)
+      weights = weights / weights.sum(-1, /*keepdim=*/true);
+  }
+  [[maybe_unused]] const std::int64_t copies = n * top_k_;
+  at::Tensor counts, offsets, order, src_token, inverse;
+#if defined(REFIT_TORCH_CUDA)
+  if (fused_ && kernels::bucket_supported(static_cast<int>(copies), static_cast<int>(experts_))) {
+    counts = at::empty({experts_}, i64_);
+    offsets = at::empty({experts_}, i64_.dtype(at::kInt));
+    order = at::empty({copies}, i64_);
+    src_token = at::empty({copies}, i64_);
+    inverse = at::empty({copies}, i64_);
+    kernels::bucket(chosen.data_ptr<std::int64_t>(), static_cast<int>(copies),
+                    static_cast<int>(top_k_), static_cast<int>(experts_),
+                    counts.data_ptr<std::int64_t>(), offsets.data_ptr<int>(),
+                    order.data_ptr<std::int64_t>(), src_token.data_ptr<std::int64_t>(),
+                    inverse.data_ptr<std::int64_t>(), expert_loads_.data_ptr<std::int64_t>(),
+                    decode ? 2 : 1, stream());
+  }
+#endif
+  if (!order.defined()) {
+    auto by_expert = at::sort(chosen, c10::optional<bool>(true), /*dim=*/0, /*descending=*/false);
+    order = std::get<1>(by_expert); // sorted position -> flat index
+    counts = at::zeros({experts_}, i64_).scatter_add_(0, chosen, at::ones_like(chosen));
+    offsets = counts.cumsum(0).to(at::kInt);
+    src_token = at::floor_divide(order, top_k_);
+    const at::Tensor used = counts.gt(0).sum();
+    expert_loads_.narrow(0, 0, 1).add_(used);
+    if (decode)
+      expert_loads_.narrow(0, 1, 1).add_(used);
+  }
+
+  const at::Tensor xs = h.index_select(0, src_token);
+  const auto project = [&](const at::Tensor& in, const at::Tensor& weight) {
+#if defined(REFIT_TORCH_CUDA)
+    if (fused_ && kernels::expert_gemv_supported(copies, weight.size(2))) {
+      at::Tensor out = at::empty({copies, weight.size(1)}, bf_);
+      kernels::expert_gemv(in.data_ptr(), weight.data_ptr(), chosen.data_ptr<std::int64_t>(),
+                           order.data_ptr<std::int64_t>(), counts.data_ptr<std::int64_t>(),
+                           offsets.data_ptr<int>(), out.data_ptr(), static_cast<int>(copies),
+                           static_cast<int>(weight.size(1)), static_cast<int>(weight.size(2)),
+                           stream());
+      return out;
+    }
+#endif
+    return grouped(in, weight, counts, offsets);
+  };
+  const at::Tensor gate_up = project(xs, w.w13);
+  at::Tensor act;
+#if defined(REFIT_TORCH_CUDA)
+  if (fused_) {
+    act = at::empty({copies, inter_}, bf_);
+    kernels::silu_mul(gate_up.data_ptr(), act.data_ptr(), copies, static_cast<int>(inter_),
+                      stream());
+  }
+#endif
+  if (!act.defined())
+    act = at::silu(gate_up.narrow(1, 0, inter_)) * gate_up.narrow(1, inter_, inter_);
+  const at::Tensor ys = project(act, w.w2);
+#if defined(REFIT_TORCH_CUDA)
+  if (fused_ && o_.tp == 1) {
+    if (!inverse.defined())
+      inverse = at::empty_like(order).index_copy_(0, order, at::arange(copies, i64_));
+    kernels::mix_experts(ys.data_ptr(), inverse.data_ptr<std::int64_t>(),
+                         weights.contiguous().data_ptr<float>(), x.data_ptr<float>(),
+                         static_cast<int>(n), static_cast<int>(top_k_),
+                         static_cast<int>(hidden_), stream());
+    return;
+  }
+#endif
+  const at::Tensor y = at::empty_like(ys).index_copy_(0, order, ys); // back in token order
+  at::Tensor moe = (y.view({n, top_k_, hidden_}).to(at::kFloat) * weights.unsqueeze(-1)).sum(1);
+  all_reduce(moe);
+  x.add_(moe);
+}
+
+// x (fp32, contiguous) += the all-reduced bf16 `out`.
+void fast_rank_forward::add_residual(at::Tensor& x, const at::Tensor& out) {
+#if defined(REFIT_TORCH_CUDA)
+  if (fused_ && o_.tp == 1) {
+    kernels::add_bf16(x.data_ptr<float>(), out.data_ptr(), x.numel(), stream());
+    return;
+  }
+#endif
+  at::Tensor o = out.to(at::kFloat);
+  all_reduce(o);
+  x.add_(o);
+}
+
+// RMSNorm of fp32 x (contiguous [n, H]) to bf16.
+at::Tensor fast_rank_forward::norm_bf16(const at::Tensor& x, const at::Tensor& w) const {
+#if defined(REFIT_TORCH_CUDA)
+  if (fused_) {
+    at::Tensor out = at::empty({x.size(0), x.size(1)}, bf_);
+    kernels::rms_norm(x.data_ptr<float>(), w.data_ptr(), out.data_ptr(),
+                      static_cast<int>(x.size(0)), static_cast<int>(x.size(1)),
+                      static_cast<float>(cfg_.rms_norm_eps), stream());
+    return out;
+  }
+#endif
+  return rms_norm(x, w).to(at::kBFloat16);
+}
+
+// Decode attention of one layer through the fused kernels: q/k norm + RoPE + the K/V
+// writes, then attention over the paged cache.
+at::Tensor fast_rank_forward::fused_decode_layer_attention(const at::Tensor& qkv, const layer_tensors& w,
+                                        const step_inputs& in, std::byte* kv_base,
+                                        std::uint32_t layer) {
+#if defined(REFIT_TORCH_CUDA)
+  const std::int64_t n = qkv.size(0);
+  kernels::kv_target kv;
+  kv.base = kv_base;
+  kv.block_elems = static_cast<std::int64_t>(o_.kv.block_bytes() / 2);
+  kv.part_elems = std::int64_t{o_.kv.block_size} * kv_heads_ * head_dim_;
+  kv.layer_offset = std::int64_t{layer} * 2 * kv.part_elems;
+  kv.block_size = static_cast<int>(o_.kv.block_size);
+  at::Tensor q = at::empty({n, q_heads_, head_dim_}, bf_);
+  kernels::qk_norm_rope_write(qkv.data_ptr(), w.q_norm.data_ptr(), w.k_norm.data_ptr(),
+                              cos_.data_ptr<float>(), sin_.data_ptr<float>(),
+                              in.positions.data_ptr<std::int64_t>(),
+                              in.src_row.data_ptr<std::int64_t>(),
+                              in.write_block.data_ptr<std::int64_t>(),
+                              in.write_slot.data_ptr<std::int64_t>(), q.data_ptr(), kv,
+                              static_cast<int>(n), static_cast<int>(q_heads_),
+                              static_cast<int>(kv_heads_), static_cast<int>(head_dim_),
+                              static_cast<float>(cfg_.rms_norm_eps), stream());
+  at::Tensor out = at::empty({n, q_heads_ * head_dim_}, bf_);
+  kernels::decode_attention(q.data_ptr(), kv, in.table.data_ptr<std::int64_t>(),
+                            static_cast<int>(in.table.size(1)),
+                            in.lengths.data_ptr<std::int64_t>(), out.data_ptr(),
+                            static_cast<int>(n), static_cast<int>(q_heads_),
+                            static_cast<int>(kv_heads_), static_cast<int>(head_dim_), stream());
+  return out;
+#else
+  (void)qkv, (void)w, (void)in, (void)kv_base, (void)layer;
+  throw std::logic_error("bf16 engine: fused kernels need a CUDA build");
+#endif
+}
+
+} // namespace refit::inference::bf16
