@@ -520,6 +520,72 @@ TEST(LocalCollective, TwoHundredRoundsStayCorrect) {
   }
 }
 
+// The variable layout (registered tensors) is pushed when the ranks' pushes balance (per
+// item, or over the call) and pulled otherwise; either way every rank ends with every piece.
+TEST(LocalCollective, VariableLayoutIsByteExactPushedOrPulled) {
+  const std::uint32_t world = 3;
+  // Item sizes per rank: a Shard(0) split (40, 40, 32), and three tensors each held whole by
+  // one rank (96 bytes: rank 0, 1, 2).
+  struct item_spec {
+    std::vector<std::uint64_t> bytes;
+  };
+  const std::vector<item_spec> all = {{{40, 40, 32}}, {{96, 0, 0}}, {{0, 96, 0}}, {{0, 0, 96}}};
+  const auto run = [&](const std::vector<std::size_t>& which) {
+    // shards[r][i]: rank r's piece of item i; outs[r][i]: rank r's output of item i.
+    std::vector<std::vector<std::vector<std::byte>>> shards(world), outs(world);
+    std::vector<std::vector<gather_item>> items(world);
+    for (std::uint32_t r = 0; r < world; ++r) {
+      shards[r].resize(which.size());
+      outs[r].resize(which.size());
+    }
+    for (std::size_t k = 0; k < which.size(); ++k) {
+      const auto& spec = all[which[k]];
+      std::vector<gather_piece> pieces;
+      std::uint64_t offset = 0;
+      for (std::uint32_t q = 0; q < world; ++q) {
+        pieces.push_back({offset, spec.bytes[q]});
+        offset += spec.bytes[q];
+      }
+      for (std::uint32_t r = 0; r < world; ++r) {
+        shards[r][k].resize(std::max<std::uint64_t>(spec.bytes[r], 1));
+        fill_pattern(shards[r][k].data(), spec.bytes[r], static_cast<std::uint8_t>(17 * k + r + 1));
+        outs[r][k].assign(offset, std::byte{0xEE});
+      }
+    }
+    for (std::uint32_t r = 0; r < world; ++r)
+      for (std::size_t k = 0; k < which.size(); ++k) {
+        const auto& spec = all[which[k]];
+        std::vector<gather_piece> pieces;
+        std::uint64_t offset = 0;
+        for (std::uint32_t q = 0; q < world; ++q) {
+          pieces.push_back({offset, spec.bytes[q]});
+          offset += spec.bytes[q];
+        }
+        items[r].emplace_back(shards[r][k].data(), spec.bytes[r], outs[r][k].data(), pieces);
+      }
+    local_collective coll(world);
+    const auto statuses = run_ranks(world, [&](std::uint32_t r) {
+      return coll.all_gather(r, items[r], clock_type::now() + 10s);
+    });
+    for (const auto& st : statuses)
+      ASSERT_TRUE(st.ok) << st.error;
+    for (std::uint32_t r = 0; r < world; ++r)
+      for (std::size_t k = 0; k < which.size(); ++k) {
+        std::uint64_t offset = 0;
+        for (std::uint32_t q = 0; q < world; ++q) {
+          const std::uint64_t n = all[which[k]].bytes[q];
+          EXPECT_EQ(std::memcmp(outs[r][k].data() + offset, shards[q][k].data(), n), 0)
+            << "rank " << r << " item " << k << " piece of rank " << q;
+          offset += n;
+        }
+      }
+  };
+  run({0});          // balanced item: pushed
+  run({1});          // one rank holds everything: pulled
+  run({1, 2, 3});    // unbalanced items that balance over the call: pushed
+  run({0, 1, 2, 3}); // both kinds together
+}
+
 TEST(LocalCollective, InPlaceShardIsKept) {
   // NCCL-style in-place all-gather: each rank's shard already sits in its output slot.
   const std::uint32_t world = 2;
