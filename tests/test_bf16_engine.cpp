@@ -161,8 +161,9 @@ TEST(Bf16Engine, DeviceSamplingDrawsWhatTheHostSamplerDrawsFromTheSameLogits) {
       std::sort(seen.begin(), seen.end());
       distinct_tokens += std::unique(seen.begin(), seen.end()) - seen.begin();
     }
-    if (c.temperature > 0.0f)
+    if (c.temperature > 0.0f) {
       EXPECT_GT(distinct_tokens, 8u * 5u) << "draws must actually vary";
+    }
   }
 }
 
