@@ -60,7 +60,7 @@ request_plan plan_request(const model::model_config& cfg, const kv_geometry& kv,
            + " bytes per block)";
   };
 
-  std::vector<std::uint64_t> needs;
+  std::vector<std::uint64_t>& needs = plan.needs;
   for (std::size_t i = 0; i < input.prompts.size(); ++i) {
     const auto& prompt = input.prompts[i];
     const std::string where = "prompts[" + std::to_string(i) + "].token_ids";
@@ -276,9 +276,7 @@ std::vector<generation> engine::generate(const std::vector<const std::byte*>& re
     return std::find(params.stop_token_ids.begin(), params.stop_token_ids.end(), token)
            != params.stop_token_ids.end();
   };
-  std::vector<std::uint64_t> need(plan.prompts.size());
-  for (std::size_t i = 0; i < need.size(); ++i)
-    need[i] = kv_blocks_needed(plan.prompts[i].size(), n, params.max_tokens, block_size);
+  const std::vector<std::uint64_t>& need = plan.needs;
   std::vector<std::uint32_t> running(plan.prompts.size(), 0); // samples not finished per prompt
 
   live_set live(pool_);

@@ -103,6 +103,7 @@ struct request_error : std::invalid_argument {
 struct request_plan {
   std::vector<std::vector<std::int32_t>> prompts; // after truncation
   std::vector<bool> truncated;
+  std::vector<std::uint64_t> needs;               // worst-case KV blocks per prompt
   std::vector<std::vector<std::uint32_t>> waves;  // prompt indices per wave, in order
   std::uint32_t capacity_blocks = 0;
 };

@@ -2,6 +2,10 @@
 // RoPE tables and the CUDA-graph runner. The layers are torch_fast_layers.cpp.
 #include "runtime/inference/torch_fast_forward.hpp"
 
+#include <numeric>
+
+#include "runtime/inference/rope.hpp"
+
 namespace refit::inference {
 
 namespace bf16 {
@@ -53,12 +57,7 @@ fast_rank_forward::fast_rank_forward(const rank_forward_options& o)
   c10::InferenceMode inference_mode;
   c10::DeviceGuard guard(device_);
   bind();
-  const std::int64_t half = head_dim_ / 2;
-  inv_freq_.resize(static_cast<std::size_t>(half));
-  for (std::int64_t i = 0; i < half; ++i)
-    inv_freq_[static_cast<std::size_t>(i)] =
-      1.0f / std::pow(static_cast<float>(cfg_.rope_theta),
-                      static_cast<float>(2 * i) / static_cast<float>(head_dim_));
+  inv_freq_ = rope_inverse_frequencies(cfg_.rope_theta, head_dim_);
   expert_loads_ = at::zeros({2}, i64_); // [all forwards, decode forwards]
 #if defined(REFIT_TORCH_CUDA)
   if (device_.is_cuda()) {
@@ -212,14 +211,9 @@ void fast_rank_forward::ensure_rope(std::int64_t positions) {
   const std::int64_t half = head_dim_ / 2;
   at::Tensor c = at::empty({p, half}, at::kFloat);
   at::Tensor s = at::empty({p, half}, at::kFloat);
-  float* cd = c.data_ptr<float>();
-  float* sd = s.data_ptr<float>();
-  for (std::int64_t t = 0; t < p; ++t)
-    for (std::int64_t i = 0; i < half; ++i) {
-      const float angle = static_cast<float>(t) * inv_freq_[static_cast<std::size_t>(i)];
-      cd[t * half + i] = static_cast<float>(std::cos(static_cast<double>(angle)));
-      sd[t * half + i] = static_cast<float>(std::sin(static_cast<double>(angle)));
-    }
+  std::vector<std::int64_t> positions_all(static_cast<std::size_t>(p));
+  std::iota(positions_all.begin(), positions_all.end(), std::int64_t{0});
+  rope_cos_sin(inv_freq_, positions_all.data(), p, c.data_ptr<float>(), s.data_ptr<float>());
 #if defined(REFIT_TORCH_CUDA)
   graphs_.clear(); // captured graphs read the old tables
 #endif
@@ -268,15 +262,15 @@ at::Tensor fast_rank_forward::run_eager(const std::vector<forward_item>& items, 
 
 at::Tensor fast_rank_forward::run_graph(const std::vector<forward_item>& items, std::byte* kv_base) {
 #if defined(REFIT_TORCH_CUDA)
-  validate(items);
   const auto real = static_cast<std::int64_t>(items.size());
   const std::int64_t batch = bucket_of(real);
+  if (batch == 0) // beyond the largest bucket: an eager step (which validates)
+    return run_eager(items, kv_base, logits_rows::last_token);
+  validate(items);
   std::int64_t blocks = 1;
   for (const auto& item : items)
     blocks = std::max<std::int64_t>(blocks, static_cast<std::int64_t>(item.block_count));
   const std::int64_t width = pow2_at_least(blocks);
-  if (batch == 0)
-    return run_eager(items, kv_base, logits_rows::last_token);
   ensure_rope(width * o_.kv.block_size);
   const host_inputs h = gather_inputs(items, batch, width);
   const std::int64_t fields = 5 * batch + batch * width + batch;

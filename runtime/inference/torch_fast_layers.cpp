@@ -40,12 +40,15 @@ at::Tensor fast_rank_forward::model(const step_inputs& in, std::byte* kv_base, c
         * valid.unsqueeze(1).to(at::kFloat);
     all_reduce(x);
   }
-  const at::Tensor cos = cos_.index_select(0, in.positions).unsqueeze(1);
-  const at::Tensor sin = sin_.index_select(0, in.positions).unsqueeze(1);
   const std::int64_t q_cols = q_heads_ * head_dim_;
   const std::int64_t kv_cols = kv_heads_ * head_dim_;
-
   const bool fused_attention = decode && fused_ && fused_decode_attention_;
+  // The ATen q/k RoPE's rows of the tables (the fused kernel reads the tables itself).
+  at::Tensor cos, sin;
+  if (!fused_attention) {
+    cos = cos_.index_select(0, in.positions).unsqueeze(1);
+    sin = sin_.index_select(0, in.positions).unsqueeze(1);
+  }
   for (std::uint32_t layer = 0; layer < cfg_.num_hidden_layers; ++layer) {
     const layer_tensors& w = layers_[layer];
     at::Tensor h = norm_bf16(x, w.input_norm);

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "runtime/inference/forward.hpp"
+#include "runtime/inference/rope.hpp"
 
 namespace refit::inference {
 
@@ -69,14 +70,7 @@ public:
     if (o.kv.layers != cfg_.num_hidden_layers || o.kv.kv_heads != kv_heads_
         || o.kv.head_dim != cfg_.head_dim || o.kv.block_size == 0)
       throw std::invalid_argument("torch_forward: KV geometry does not match the model");
-    // RoPE inverse frequencies as HF computes them (fp32).
-    const std::int64_t half = head_dim_ / 2;
-    inv_freq_.resize(static_cast<std::size_t>(half));
-    const float theta = static_cast<float>(cfg_.rope_theta);
-    for (std::int64_t i = 0; i < half; ++i) {
-      const float exponent = static_cast<float>(2 * i) / static_cast<float>(head_dim_);
-      inv_freq_[static_cast<std::size_t>(i)] = 1.0f / std::pow(theta, exponent);
-    }
+    inv_freq_ = rope_inverse_frequencies(cfg_.rope_theta, head_dim_);
   }
 
   std::vector<float> forward(const std::vector<forward_item>& items, std::byte* kv_base,
@@ -242,16 +236,7 @@ private:
     const std::int64_t half = head_dim_ / 2;
     at::Tensor cos = at::empty({n, 1, half}, at::kFloat);
     at::Tensor sin = at::empty({n, 1, half}, at::kFloat);
-    float* c = cos.data_ptr<float>();
-    float* s = sin.data_ptr<float>();
-    for (std::int64_t t = 0; t < n; ++t) {
-      const float pos = static_cast<float>(positions[static_cast<std::size_t>(t)]);
-      for (std::int64_t i = 0; i < half; ++i) {
-        const float angle = pos * inv_freq_[static_cast<std::size_t>(i)];
-        c[t * half + i] = static_cast<float>(std::cos(static_cast<double>(angle)));
-        s[t * half + i] = static_cast<float>(std::sin(static_cast<double>(angle)));
-      }
-    }
+    rope_cos_sin(inv_freq_, positions.data(), n, cos.data_ptr<float>(), sin.data_ptr<float>());
     return {cos.to(device_), sin.to(device_)};
   }
 
