@@ -774,6 +774,23 @@ TEST(ConfigMode, PackedByDefaultDirectOnRequestAnythingElseNamesTheKey) {
   EXPECT_EQ(config::parse_yaml(emitted).publication.mode, "direct") << "to_yaml keeps the mode";
 }
 
+TEST(ConfigEngine, ComputeDtypeAndMaxBatchAreCheckedAndKept) {
+  const auto d = config::parse_yaml(tiny_model);
+  EXPECT_EQ(d.runtime.compute_dtype, "auto");
+  EXPECT_EQ(d.runtime.max_batch, 256u);
+  expect_error(tiny_model + "runtime: {compute_dtype: fp8}\n", "runtime.compute_dtype", "'fp8'");
+  expect_error(tiny_model + "runtime: {max_batch: 0}\n", "runtime.max_batch", "out of range");
+  const auto set = config::parse_yaml(tiny_model + "runtime: {compute_dtype: bfloat16, max_batch: 8}\n");
+  const auto again = config::parse_yaml(config::to_yaml(set));
+  EXPECT_EQ(again.runtime.compute_dtype, "bfloat16") << "to_yaml keeps the compute dtype";
+  EXPECT_EQ(again.runtime.max_batch, 8u);
+  // The bf16 engine reads bf16 residents.
+  std::string fp32_model = tiny_model;
+  fp32_model.replace(fp32_model.find("vocab_size: 256}"), 16, "vocab_size: 256, torch_dtype: float32}");
+  expect_error(fp32_model + "runtime: {compute_dtype: bfloat16}\n", "runtime.compute_dtype",
+               "needs a bfloat16 model");
+}
+
 // Every shipped recipe is valid, and its transport matches its devices.
 TEST(ConfigRecipes, EveryShippedRecipeLoads) {
   for (const char* file : {"/configs/tiny-cpu.yaml", "/configs/tiny-synthetic.yaml", "/configs/bench-cpu.yaml",

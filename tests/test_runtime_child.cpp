@@ -658,6 +658,12 @@ std::vector<bad_arguments> bad_argument_cases() {
   auto with_extra = good;
   with_extra.push_back("--fault");
   with_extra.push_back("describe:explode");
+  const auto with = [&](const char* option, const char* value) {
+    auto args = good;
+    args.push_back(option);
+    args.push_back(value);
+    return args;
+  };
   return {
     {"TpDoesNotMatchDevices", replace_option(good, "--tp", "2"), "--tp"},
     {"TpNotANumber", replace_option(good, "--tp", "two"), "--tp"},
@@ -669,6 +675,8 @@ std::vector<bad_arguments> bad_argument_cases() {
      "CUDA devices need a build with REFIT_CUDA=ON"},
     {"UnsupportedModel", replace_option(good, "--model", "{model_type: llama}"), "--model"},
     {"ZeroKvCache", replace_option(good, "--kv-cache-bytes", "0"), "--kv-cache-bytes"},
+    {"UnknownComputeDtype", with("--compute-dtype", "fp8"), "--compute-dtype"},
+    {"ZeroMaxBatch", with("--max-batch", "0"), "--max-batch"},
     {"UnknownFaultKind", with_extra, "--fault"},
     {"MissingSeed", drop_option(good, "--seed"), "--seed"},
     {"ControlFdNotOpen", replace_option(good, "--control-fd", "9"), "--control-fd"},
