@@ -17,6 +17,7 @@
 #include "actors/sync_coordinator.hpp"
 #include "runtime/system/bootstrap.hpp"
 #include "runtime/control/process.hpp"
+#include "runtime/publication/direct_backend.hpp"
 
 namespace refit::testing {
 
@@ -153,6 +154,16 @@ protected:
 
 inline std::size_t fd_count() {
   return proc::open_fds(::getpid()).size();
+}
+
+// The count of IPC-opened resident arenas once the trainer ranks have handled the end of a
+// direct publication: each rank closes its mappings when its final / abort message arrives,
+// which races the coordinator's answer to the caller, so this waits (up to 5 s) for 0.
+inline std::uint64_t open_targets_after_release() {
+  const auto until = std::chrono::steady_clock::now() + 5s;
+  while (publication::open_resident_targets() != 0 && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(5ms);
+  return publication::open_resident_targets();
 }
 
 } // namespace refit::testing

@@ -122,7 +122,7 @@ protected:
       EXPECT_EQ(wi.producer_buffers_open, 0u);
       EXPECT_TRUE(wi.resident_export.empty()) << "release_ipc closes the export";
     }
-    EXPECT_EQ(publication::open_resident_targets(), 0u) << "every rank closed its mappings";
+    EXPECT_EQ(open_targets_after_release(), 0u) << "every rank closed its mappings";
   }
 };
 
@@ -213,7 +213,7 @@ TEST_F(DirectPublication, AFailedCopyOnOneRankPoisonsAndNothingStaysOpen) {
   auto pid = runtime_pid();
   auto res = publish(1);
   expect_poisoned(res, errc::gate_failed, "injected copy failure", pid);
-  EXPECT_EQ(publication::open_resident_targets(), 0u);
+  EXPECT_EQ(open_targets_after_release(), 0u);
   auto again = publish(2);
   ASSERT_TRUE(again) << render(again.error());
   expect_direct_result(*again);
@@ -231,7 +231,7 @@ TEST_F(DirectPublication, TheRuntimeKilledMidWriteCommitsNothing) {
   auto pid = runtime_pid();
   auto res = publish(1);
   expect_poisoned(res, errc::runtime_exited, "", pid);
-  EXPECT_EQ(publication::open_resident_targets(), 0u);
+  EXPECT_EQ(open_targets_after_release(), 0u);
   auto again = publish(2);
   ASSERT_TRUE(again) << render(again.error());
   expect_direct_result(*again);
@@ -261,10 +261,7 @@ TEST_F(DirectPublication, ATrainerRankGoneMidWriteCommitsNothing) {
   publisher.join();
   ASSERT_TRUE(res.has_value());
   expect_poisoned(*res, errc::gate_failed, "gone", pid);
-  until = std::chrono::steady_clock::now() + 5s;
-  while (publication::open_resident_targets() != 0 && std::chrono::steady_clock::now() < until)
-    std::this_thread::sleep_for(10ms);
-  EXPECT_EQ(publication::open_resident_targets(), 0u) << "the dead rank's mappings are closed";
+  EXPECT_EQ(open_targets_after_release(), 0u) << "the dead rank's mappings are closed";
 }
 
 TEST_F(DirectPublication, ARuntimeWithoutExportableWeightsRefusesDirectInit) {

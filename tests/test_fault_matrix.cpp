@@ -44,7 +44,7 @@ TEST_P(PublicationFaultMatrix, FailStopLeavesNothingBehind) {
   EXPECT_EQ(::kill(pid, 0), -1) << "reaped";
   EXPECT_TRUE(engine().needs_publication);
   // Direct mode: every rank closed its mappings of the dead runtime's resident arenas.
-  EXPECT_EQ(publication::open_resident_targets(), 0u);
+  EXPECT_EQ(open_targets_after_release(), 0u);
   for (const auto& r : pub.ranks)
     EXPECT_LE(ask<rank_info>(r, describe_atom::value)->peak_materialized_bytes,
               cfg.publication.buffer_count * cfg.publication.buffer_bytes);

@@ -259,7 +259,7 @@ protected:
         EXPECT_EQ(w.producer_buffers_open, 0u);
         EXPECT_TRUE(w.resident_export.empty());
       }
-      EXPECT_EQ(publication::open_resident_targets(), 0u) << "IPC handles closed";
+      EXPECT_EQ(open_targets_after_release(), 0u) << "IPC handles closed";
       EXPECT_EQ(cuda::ipc_view::open_count(), 0u);
     }
   }
@@ -293,7 +293,7 @@ TEST_F(GpuDirectPublication, AFailedCopyPoisonsAndTheNextPublicationCommits) {
   auto pid = runtime_pid();
   auto res = publish(1);
   expect_poisoned(res, errc::gate_failed, "injected copy failure", pid);
-  EXPECT_EQ(publication::open_resident_targets(), 0u);
+  EXPECT_EQ(open_targets_after_release(), 0u);
   auto again = publish(2);
   ASSERT_TRUE(again) << render(again.error());
   expect_byte_exact(*again, 1);
