@@ -2,6 +2,7 @@
 // RoPE tables and the CUDA-graph runner. The layers are torch_fast_layers.cpp.
 #include "runtime/inference/torch_fast_forward.hpp"
 
+#include <cstdlib>
 #include <numeric>
 
 #include "runtime/inference/rope.hpp"
@@ -24,6 +25,20 @@ std::int64_t pow2_at_least(std::int64_t n) {
   while (p < n)
     p *= 2;
   return p;
+}
+
+// A tuning knob from the environment (a count of routed copies), or `fallback`. A value that
+// is not a whole number in [0, 1e6] is refused, naming the variable.
+static std::int64_t copies_knob(const char* name, std::int64_t fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0')
+    return fallback;
+  char* end = nullptr;
+  const long long n = std::strtoll(v, &end, 10);
+  if (*end != '\0' || n < 0 || n > 1000000)
+    throw std::invalid_argument(std::string("bf16 engine: ") + name + "=" + v
+                                + " is not a count of routed copies in [0, 1000000]");
+  return n;
 }
 
 fast_rank_forward::fast_rank_forward(const rank_forward_options& o)
@@ -72,6 +87,7 @@ fast_rank_forward::fast_rank_forward(const rank_forward_options& o)
   fused_decode_attention_ = kernels::decode_attention_supported(
     static_cast<int>(head_dim_), static_cast<int>(q_heads_ / kv_heads_));
 #endif
+  gemv_max_copies_ = copies_knob("REFIT_EXPERT_GEMV_MAX_COPIES", gemv_max_copies_);
 }
 
 std::vector<float> fast_rank_forward::forward(const std::vector<forward_item>& items, std::byte* kv_base,

@@ -201,13 +201,19 @@ private:
                      const at::Tensor& offsets) const;
 
   // The routed experts of h, added into the residual stream x (after the TP all-reduce).
-  void experts(const layer_tensors& w, const at::Tensor& h, bool decode, at::Tensor& x);
+  // With next_norm (the next layer's input norm) the fused mix also returns RMSNorm(x) with
+  // it; otherwise (or on the ATen path) an undefined tensor.
+  at::Tensor experts(const layer_tensors& w, const at::Tensor& h, bool decode, at::Tensor& x,
+                     const at::Tensor* next_norm);
 
   // x (fp32, contiguous) += the all-reduced bf16 `out`.
   void add_residual(at::Tensor& x, const at::Tensor& out);
 
   // RMSNorm of fp32 x (contiguous [n, H]) to bf16.
   at::Tensor norm_bf16(const at::Tensor& x, const at::Tensor& w) const;
+
+  // add_residual(x, out), then norm_bf16(x, w): one kernel when fused and TP 1.
+  at::Tensor add_norm_bf16(at::Tensor& x, const at::Tensor& out, const at::Tensor& w);
 
   // Decode attention of one layer through the fused kernels: q/k norm + RoPE + the K/V
   // writes, then attention over the paged cache.
@@ -260,6 +266,9 @@ private:
   bool graphs_enabled_ = false;
   bool fused_ = false;                  // the fused CUDA kernels (torch_kernels.cu)
   bool fused_decode_attention_ = false; // their decode attention supports this shape
+  // Routed copies up to which a step uses the expert GEMV instead of the grouped GEMM
+  // (REFIT_EXPERT_GEMV_MAX_COPIES overrides it, for tuning).
+  std::int64_t gemv_max_copies_ = 8; // H200, Qwen3-30B-A3B: the grouped GEMM wins from batch 2
 #if defined(REFIT_TORCH_CUDA)
   std::optional<c10::cuda::CUDAStream> stream_;
   std::int64_t baseline_bytes_ = 0;

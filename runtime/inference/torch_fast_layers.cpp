@@ -49,9 +49,10 @@ at::Tensor fast_rank_forward::model(const step_inputs& in, std::byte* kv_base, c
     cos = cos_.index_select(0, in.positions).unsqueeze(1);
     sin = sin_.index_select(0, in.positions).unsqueeze(1);
   }
+  at::Tensor next; // the next layer's normed input, when the fused mix computed it
   for (std::uint32_t layer = 0; layer < cfg_.num_hidden_layers; ++layer) {
     const layer_tensors& w = layers_[layer];
-    at::Tensor h = norm_bf16(x, w.input_norm);
+    at::Tensor h = next.defined() ? next : norm_bf16(x, w.input_norm);
     const at::Tensor qkv = at::matmul(h, w.qkv.t());
     at::Tensor kc = kv_view(kv_base, layer, 0);
     at::Tensor vc = kv_view(kv_base, layer, 1);
@@ -72,10 +73,9 @@ at::Tensor fast_rank_forward::model(const step_inputs& in, std::byte* kv_base, c
       attn = decode ? decode_attention(q, kc, vc, in) : prefill_attention(q, k, v, kc, vc, *items);
     }
     const at::Tensor out = at::matmul(attn, w.o.t());
-    add_residual(x, out);
-
-    h = norm_bf16(x, w.post_norm);
-    experts(w, h, decode, x);
+    h = add_norm_bf16(x, out, w.post_norm);
+    const bool last = layer + 1 == cfg_.num_hidden_layers;
+    next = experts(w, h, decode, x, last ? nullptr : &layers_[layer + 1].input_norm);
   }
 
   const at::Tensor xf = norm_bf16(x.index_select(0, picked).contiguous(), final_norm_);
@@ -227,13 +227,38 @@ at::Tensor fast_rank_forward::grouped(const at::Tensor& x, const at::Tensor& w, 
 }
 
 // The routed experts of h, added into the residual stream x (after the TP all-reduce).
-void fast_rank_forward::experts(const layer_tensors& w, const at::Tensor& h, bool decode, at::Tensor& x) {
+at::Tensor fast_rank_forward::experts(const layer_tensors& w, const at::Tensor& h, bool decode,
+                                      at::Tensor& x, const at::Tensor* next_norm) {
   const std::int64_t n = h.size(0);
   const at::Tensor router_logits = at::matmul(h, w.router.t()); // bf16 [n, E]
   at::Tensor weights; // fp32 [n, k]
   at::Tensor chosen;  // int64 [n * k]
+  [[maybe_unused]] const std::int64_t copies = n * top_k_;
+  at::Tensor counts, offsets, order, src_token, inverse;
+  [[maybe_unused]] const auto sort_outputs = [&] {
+    counts = at::empty({experts_}, i64_);
+    offsets = at::empty({experts_}, i64_.dtype(at::kInt));
+    order = at::empty({copies}, i64_);
+    src_token = at::empty({copies}, i64_);
+    inverse = at::empty({copies}, i64_);
+  };
 #if defined(REFIT_TORCH_CUDA)
-  if (fused_ && kernels::route_supported(static_cast<int>(experts_), static_cast<int>(top_k_))) {
+  if (fused_ && kernels::route_bucket_supported(static_cast<int>(n), static_cast<int>(experts_),
+                                                static_cast<int>(top_k_))) {
+    at::Tensor ids = at::empty({n, top_k_}, i64_);
+    weights = at::empty({n, top_k_}, f32_);
+    sort_outputs();
+    kernels::route_bucket(router_logits.data_ptr(), static_cast<int>(n), static_cast<int>(experts_),
+                          static_cast<int>(top_k_), cfg_.norm_topk_prob,
+                          ids.data_ptr<std::int64_t>(), weights.data_ptr<float>(),
+                          counts.data_ptr<std::int64_t>(), offsets.data_ptr<int>(),
+                          order.data_ptr<std::int64_t>(), src_token.data_ptr<std::int64_t>(),
+                          inverse.data_ptr<std::int64_t>(), expert_loads_.data_ptr<std::int64_t>(),
+                          decode ? 2 : 1, stream());
+    chosen = ids.reshape({-1});
+  }
+  if (!chosen.defined() && fused_
+      && kernels::route_supported(static_cast<int>(experts_), static_cast<int>(top_k_))) {
     at::Tensor ids = at::empty({n, top_k_}, i64_);
     weights = at::empty({n, top_k_}, f32_);
     kernels::route(router_logits.data_ptr(), static_cast<int>(n), static_cast<int>(experts_),
@@ -250,15 +275,10 @@ void fast_rank_forward::experts(const layer_tensors& w, const at::Tensor& h, boo
     if (cfg_.norm_topk_prob)
       weights = weights / weights.sum(-1, /*keepdim=*/true);
   }
-  [[maybe_unused]] const std::int64_t copies = n * top_k_;
-  at::Tensor counts, offsets, order, src_token, inverse;
 #if defined(REFIT_TORCH_CUDA)
-  if (fused_ && kernels::bucket_supported(static_cast<int>(copies), static_cast<int>(experts_))) {
-    counts = at::empty({experts_}, i64_);
-    offsets = at::empty({experts_}, i64_.dtype(at::kInt));
-    order = at::empty({copies}, i64_);
-    src_token = at::empty({copies}, i64_);
-    inverse = at::empty({copies}, i64_);
+  if (!order.defined() && fused_
+      && kernels::bucket_supported(static_cast<int>(copies), static_cast<int>(experts_))) {
+    sort_outputs();
     kernels::bucket(chosen.data_ptr<std::int64_t>(), static_cast<int>(copies),
                     static_cast<int>(top_k_), static_cast<int>(experts_),
                     counts.data_ptr<std::int64_t>(), offsets.data_ptr<int>(),
@@ -279,48 +299,73 @@ void fast_rank_forward::experts(const layer_tensors& w, const at::Tensor& h, boo
       expert_loads_.narrow(0, 1, 1).add_(used);
   }
 
-  const at::Tensor xs = h.index_select(0, src_token);
-  const auto project = [&](const at::Tensor& in, const at::Tensor& weight) {
+  // The expert GEMV (few copies per expert) or the grouped GEMM over the sorted copies.
+  [[maybe_unused]] const auto gemv = [&](const at::Tensor& in, const at::Tensor* rows,
+                                         bool gated, const at::Tensor& weight) {
+    at::Tensor out = at::empty({copies, weight.size(1)}, bf_);
 #if defined(REFIT_TORCH_CUDA)
-    if (fused_ && kernels::expert_gemv_supported(copies, weight.size(2))) {
-      at::Tensor out = at::empty({copies, weight.size(1)}, bf_);
-      kernels::expert_gemv(in.data_ptr(), weight.data_ptr(), chosen.data_ptr<std::int64_t>(),
-                           order.data_ptr<std::int64_t>(), counts.data_ptr<std::int64_t>(),
-                           offsets.data_ptr<int>(), out.data_ptr(), static_cast<int>(copies),
-                           static_cast<int>(weight.size(1)), static_cast<int>(weight.size(2)),
-                           stream());
-      return out;
-    }
+    kernels::gemv_args a;
+    a.x = in.data_ptr();
+    a.x_rows = rows != nullptr ? rows->data_ptr<std::int64_t>() : nullptr;
+    a.gated = gated;
+    a.w = weight.data_ptr();
+    a.ids = chosen.data_ptr<std::int64_t>();
+    a.order = order.data_ptr<std::int64_t>();
+    a.counts = counts.data_ptr<std::int64_t>();
+    a.offsets = offsets.data_ptr<int>();
+    a.y = out.data_ptr();
+    a.copies = static_cast<int>(copies);
+    a.experts = static_cast<int>(experts_);
+    a.n = static_cast<int>(weight.size(1));
+    a.k = static_cast<int>(weight.size(2));
+    kernels::expert_gemv(a, stream());
 #endif
-    return grouped(in, weight, counts, offsets);
+    return out;
   };
-  const at::Tensor gate_up = project(xs, w.w13);
+  bool gemv_up = false, gemv_down = false;
+#if defined(REFIT_TORCH_CUDA)
+  gemv_up = fused_ && kernels::expert_gemv_supported(copies, w.w13.size(2), gemv_max_copies_);
+  gemv_down = fused_ && kernels::expert_gemv_supported(copies, w.w2.size(2), gemv_max_copies_);
+#endif
+  // gate_up: the GEMV reads the token rows of h itself; the grouped GEMM takes them gathered.
+  const at::Tensor gate_up = gemv_up ? gemv(h, &src_token, false, w.w13)
+                                     : grouped(h.index_select(0, src_token), w.w13, counts, offsets);
+  // The down projection's GEMV computes SiLU x up itself; otherwise the fused kernel or ATen.
   at::Tensor act;
 #if defined(REFIT_TORCH_CUDA)
-  if (fused_) {
+  if (fused_ && !gemv_down) {
     act = at::empty({copies, inter_}, bf_);
     kernels::silu_mul(gate_up.data_ptr(), act.data_ptr(), copies, static_cast<int>(inter_),
                       stream());
   }
 #endif
-  if (!act.defined())
+  if (!act.defined() && !gemv_down)
     act = at::silu(gate_up.narrow(1, 0, inter_)) * gate_up.narrow(1, inter_, inter_);
-  const at::Tensor ys = project(act, w.w2);
+  const at::Tensor ys =
+    gemv_down ? gemv(gate_up, nullptr, true, w.w2) : grouped(act, w.w2, counts, offsets);
 #if defined(REFIT_TORCH_CUDA)
   if (fused_ && o_.tp == 1) {
     if (!inverse.defined())
       inverse = at::empty_like(order).index_copy_(0, order, at::arange(copies, i64_));
+    at::Tensor normed;
+    if (next_norm != nullptr)
+      normed = at::empty({n, hidden_}, bf_);
     kernels::mix_experts(ys.data_ptr(), inverse.data_ptr<std::int64_t>(),
                          weights.contiguous().data_ptr<float>(), x.data_ptr<float>(),
                          static_cast<int>(n), static_cast<int>(top_k_),
-                         static_cast<int>(hidden_), stream());
-    return;
+                         static_cast<int>(hidden_),
+                         next_norm != nullptr ? next_norm->data_ptr() : nullptr,
+                         next_norm != nullptr ? normed.data_ptr() : nullptr,
+                         static_cast<float>(cfg_.rms_norm_eps), stream());
+    return normed;
   }
 #endif
   const at::Tensor y = at::empty_like(ys).index_copy_(0, order, ys); // back in token order
   at::Tensor moe = (y.view({n, top_k_, hidden_}).to(at::kFloat) * weights.unsqueeze(-1)).sum(1);
   all_reduce(moe);
   x.add_(moe);
+  (void)next_norm;
+  return {};
 }
 
 // x (fp32, contiguous) += the all-reduced bf16 `out`.
@@ -348,6 +393,20 @@ at::Tensor fast_rank_forward::norm_bf16(const at::Tensor& x, const at::Tensor& w
   }
 #endif
   return rms_norm(x, w).to(at::kBFloat16);
+}
+
+at::Tensor fast_rank_forward::add_norm_bf16(at::Tensor& x, const at::Tensor& out, const at::Tensor& w) {
+#if defined(REFIT_TORCH_CUDA)
+  if (fused_ && o_.tp == 1) {
+    at::Tensor normed = at::empty({x.size(0), x.size(1)}, bf_);
+    kernels::add_rms_norm(x.data_ptr<float>(), out.data_ptr(), w.data_ptr(), normed.data_ptr(),
+                          static_cast<int>(x.size(0)), static_cast<int>(x.size(1)),
+                          static_cast<float>(cfg_.rms_norm_eps), stream());
+    return normed;
+  }
+#endif
+  add_residual(x, out);
+  return norm_bf16(x, w);
 }
 
 // Decode attention of one layer through the fused kernels: q/k norm + RoPE + the K/V

@@ -1,72 +1,67 @@
-// Fused CUDA kernels of the bf16 engine (see torch_kernels.hpp).
+// Fused CUDA kernels of the bf16 engine (see torch_kernels.hpp): RMSNorm (alone and fused
+// with the residual add), q/k norm + RoPE + KV write, paged decode attention. The MoE kernels
+// are in torch_kernels_moe.cu.
 #include "runtime/inference/torch_kernels.hpp"
+#include "runtime/inference/torch_kernels_common.cuh"
 
-#include <cuda_bf16.h>
-#include <cuda_runtime.h>
+#include <cuda_pipeline.h>
 
 #include <cmath>
-#include <stdexcept>
-#include <string>
 
 namespace refit::inference::kernels {
 
+using namespace detail;
+
 namespace {
-
-using bf16 = __nv_bfloat16;
-using i64 = std::int64_t;
-
-cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
-
-void check(const char* what) {
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess)
-    throw std::runtime_error(std::string("bf16 engine kernel ") + what + ": "
-                             + cudaGetErrorString(e));
-}
-
-__device__ __forceinline__ float to_f(bf16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ bf16 to_bf(float v) { return __float2bfloat16(v); }
-
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1)
-    v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-  for (int o = 16; o > 0; o >>= 1)
-    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-
-// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
-__device__ float block_sum(float v, float* shared) {
-  v = warp_sum(v);
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  if (lane == 0)
-    shared[warp] = v;
-  __syncthreads();
-  const int warps = blockDim.x >> 5;
-  float total = lane < warps ? shared[lane] : 0.0f;
-  total = warp_sum(total);
-  __syncthreads();
-  return total;
-}
 
 // ---------------------------------------------------------------------------- RMSNorm
 
-__global__ void rms_norm_kernel(const float* x, const bf16* w, bf16* out, int n, float eps) {
+// One block per row. Columns by 4 (float4) when n % 4 == 0.
+__global__ void rms_norm_kernel(const float* __restrict__ x, const bf16* __restrict__ w,
+                                bf16* __restrict__ out, int n, float eps) {
   __shared__ float shared[32];
   const float* row = x + static_cast<i64>(blockIdx.x) * n;
   float ss = 0.0f;
-  for (int i = threadIdx.x; i < n; i += blockDim.x)
-    ss += row[i] * row[i];
-  ss = block_sum(ss, shared);
-  const float r = rsqrtf(ss / static_cast<float>(n) + eps);
-  bf16* o = out + static_cast<i64>(blockIdx.x) * n;
-  for (int i = threadIdx.x; i < n; i += blockDim.x)
-    o[i] = to_bf(row[i] * r * to_f(w[i]));
+  if ((n & 3) == 0) {
+    for (int c = threadIdx.x * 4; c < n; c += blockDim.x * 4) {
+      const float4 v = *reinterpret_cast<const float4*>(row + c);
+      ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    }
+  } else {
+    for (int c = threadIdx.x; c < n; c += blockDim.x)
+      ss += row[c] * row[c];
+  }
+  norm_row(row, w, out + static_cast<i64>(blockIdx.x) * n, n, eps, ss, shared);
+}
+
+// x[r] += y[r] (bf16), then out[r] = RMSNorm(x[r]): the residual add and the next norm.
+__global__ void add_rms_norm_kernel(float* __restrict__ x, const bf16* __restrict__ y,
+                                    const bf16* __restrict__ w, bf16* __restrict__ out, int n,
+                                    float eps) {
+  __shared__ float shared[32];
+  float* row = x + static_cast<i64>(blockIdx.x) * n;
+  const bf16* yr = y + static_cast<i64>(blockIdx.x) * n;
+  float ss = 0.0f;
+  if ((n & 3) == 0) {
+    for (int c = threadIdx.x * 4; c < n; c += blockDim.x * 4) {
+      float4 v = *reinterpret_cast<const float4*>(row + c);
+      const uint2 yv = *reinterpret_cast<const uint2*>(yr + c);
+      const bf16* yb = reinterpret_cast<const bf16*>(&yv);
+      v.x += to_f(yb[0]);
+      v.y += to_f(yb[1]);
+      v.z += to_f(yb[2]);
+      v.w += to_f(yb[3]);
+      *reinterpret_cast<float4*>(row + c) = v;
+      ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    }
+  } else {
+    for (int c = threadIdx.x; c < n; c += blockDim.x) {
+      const float v = row[c] + to_f(yr[c]);
+      row[c] = v;
+      ss += v * v;
+    }
+  }
+  norm_row(row, w, out + static_cast<i64>(blockIdx.x) * n, n, eps, ss, shared);
 }
 
 // ------------------------------------------------------- q/k norm + RoPE + KV write
@@ -119,63 +114,139 @@ __global__ void qk_kernel(const bf16* qkv, const bf16* q_norm, const bf16* k_nor
 
 // ------------------------------------------------------------- decode attention
 
+// One block per (sequence, G query heads of one KV head: G = the GQA group, or 1 when the batch
+// is too small to fill the GPU with one block per KV head, so each block's serial work shrinks
+// G-fold and the KV rows are re-read from L2); its NW warps take tiles of 32 positions in turn. In a
+// tile every lane owns one position: it starts the copy of its V row into shared memory
+// (cp.async), loads its whole K row at once (16-byte loads) and scores it against the group's
+// G query heads (q in shared memory): the tile costs one memory latency, not one per position.
+// The tile's softmax update is one warp max and one warp sum per head; then P.V from shared
+// memory with the lanes over the head dims. The warps' (max, sum, acc) are combined at the end.
 template <int D, int G, int NW>
-__global__ void decode_attention_kernel(const bf16* q, kv_target kv, const i64* table, int width,
-                                        const i64* lengths, bf16* out, int hq, int hkv,
-                                        float scale) {
-  constexpr int DPL = D / 32;
+__global__ void __launch_bounds__(NW * 32)
+  decode_attention_kernel(const bf16* __restrict__ q, kv_target kv, const i64* __restrict__ table,
+                          int width, const i64* __restrict__ lengths, bf16* __restrict__ out,
+                          int hq, int hkv, int group, float scale) {
+  constexpr int DPL = D / 32; // head dims per lane in P.V
+  constexpr int TILE = 32;
+  constexpr int P1 = NW * TILE * D * 2 + (G * D + NW * G * TILE) * 4; // V tiles, q, p
+  constexpr int P2 = (2 * NW * G + NW * G * D) * 4;                    // the combine
+  static_assert(P1 <= 48 * 1024 && P2 <= 48 * 1024, "decode attention: shared memory");
+  __shared__ __align__(16) unsigned char smem[P1 > P2 ? P1 : P2];
+  bf16* vs = reinterpret_cast<bf16*>(smem);
+  float* qs = reinterpret_cast<float*>(smem + NW * TILE * D * 2);
+  float* ps = qs + G * D;
   const int b = blockIdx.x;
-  const int h = blockIdx.y;
+  const int q0 = blockIdx.y * G; // this block's first query head
+  const int h = q0 / group;      // their KV head
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  float qr[G][DPL];
-  for (int g = 0; g < G; ++g)
-    for (int j = 0; j < DPL; ++j)
-      qr[g][j] = to_f(q[(static_cast<i64>(b) * hq + h * G + g) * D + lane * DPL + j]) * scale;
+  const bf16* qg = q + (static_cast<i64>(b) * hq + q0) * D;
+  for (int i = threadIdx.x; i < G * D; i += blockDim.x)
+    qs[i] = to_f(qg[i]) * scale;
+  __syncthreads();
   float m[G], l[G], acc[G][DPL];
+#pragma unroll
   for (int g = 0; g < G; ++g) {
     m[g] = -INFINITY;
     l[g] = 0.0f;
+#pragma unroll
     for (int j = 0; j < DPL; ++j)
       acc[g][j] = 0.0f;
   }
   const i64 length = lengths[b];
   const bf16* cache = static_cast<const bf16*>(kv.base);
-  for (i64 p = warp; p < length; p += NW) {
-    const i64 block = table[static_cast<i64>(b) * width + p / kv.block_size];
-    const i64 slot = p % kv.block_size;
-    const bf16* kp = cache + block * kv.block_elems + kv.layer_offset
-                     + (slot * hkv + h) * static_cast<i64>(D) + lane * DPL;
-    const bf16* vp = kp + kv.part_elems;
-    float kf[DPL], vf[DPL];
-    for (int j = 0; j < DPL; ++j) {
-      kf[j] = to_f(kp[j]);
-      vf[j] = to_f(vp[j]);
+  float* pw = ps + warp * G * TILE;
+  bf16* vw = vs + warp * TILE * D;
+  const i64* row_table = table + static_cast<i64>(b) * width;
+  for (i64 base = static_cast<i64>(warp) * TILE; base < length; base += NW * TILE) {
+    const i64 p = base + lane;
+    const bool valid = p < length;
+    float s[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+      s[g] = 0.0f;
+    if (valid) {
+      const i64 block = row_table[p / kv.block_size];
+      const i64 off = block * kv.block_elems + kv.layer_offset
+                      + ((p % kv.block_size) * hkv + h) * static_cast<i64>(D);
+      const uint4* vp = reinterpret_cast<const uint4*>(cache + off + kv.part_elems);
+      uint4* vdst = reinterpret_cast<uint4*>(vw + lane * D);
+#pragma unroll
+      for (int c = 0; c < D / 8; ++c)
+        __pipeline_memcpy_async(vdst + c, vp + c, 16);
+      __pipeline_commit();
+      const uint4* kp = reinterpret_cast<const uint4*>(cache + off);
+      uint4 kr[D / 8];
+#pragma unroll
+      for (int c = 0; c < D / 8; ++c)
+        kr[c] = kp[c];
+#pragma unroll
+      for (int c = 0; c < D / 8; ++c) {
+        float kf[8];
+        unpack8(kr[c], kf);
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+          const float4 q0 = *reinterpret_cast<const float4*>(qs + g * D + c * 8);
+          const float4 q1 = *reinterpret_cast<const float4*>(qs + g * D + c * 8 + 4);
+          s[g] += q0.x * kf[0] + q0.y * kf[1] + q0.z * kf[2] + q0.w * kf[3] + q1.x * kf[4]
+                  + q1.y * kf[5] + q1.z * kf[6] + q1.w * kf[7];
+        }
+      }
     }
+#pragma unroll
     for (int g = 0; g < G; ++g) {
-      float s = 0.0f;
-      for (int j = 0; j < DPL; ++j)
-        s += qr[g][j] * kf[j];
-      s = warp_sum(s);
-      const float m_new = fmaxf(m[g], s);
+      const float sg = valid ? s[g] : -INFINITY;
+      const float m_new = fmaxf(m[g], warp_max(sg)); // finite: lane 0's position is valid
       const float corr = expf(m[g] - m_new);
-      const float e = expf(s - m_new);
-      l[g] = l[g] * corr + e;
+      const float e = valid ? expf(sg - m_new) : 0.0f;
+      l[g] = l[g] * corr + warp_sum(e);
+#pragma unroll
       for (int j = 0; j < DPL; ++j)
-        acc[g][j] = acc[g][j] * corr + e * vf[j];
+        acc[g][j] *= corr;
       m[g] = m_new;
+      pw[g * TILE + lane] = e;
     }
+    __pipeline_wait_prior(0);
+    __syncwarp();
+    const int count = static_cast<int>(length - base < TILE ? length - base : TILE);
+    for (int t = 0; t < count; ++t) { // only the valid rows: the tile's tail is not loaded
+      const bf16* vr = vw + t * D + lane * DPL;
+      float vf[DPL];
+      if constexpr (DPL == 4) {
+        const uint2 v = *reinterpret_cast<const uint2*>(vr);
+        const bf16* vb = reinterpret_cast<const bf16*>(&v);
+        for (int j = 0; j < 4; ++j)
+          vf[j] = to_f(vb[j]);
+      } else {
+        const unsigned v = *reinterpret_cast<const unsigned*>(vr);
+        const bf16* vb = reinterpret_cast<const bf16*>(&v);
+        for (int j = 0; j < DPL; ++j)
+          vf[j] = to_f(vb[j]);
+      }
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const float pe = pw[g * TILE + t];
+#pragma unroll
+        for (int j = 0; j < DPL; ++j)
+          acc[g][j] += pe * vf[j];
+      }
+    }
+    __syncwarp(); // the next tile overwrites this warp's V rows and p
   }
-  __shared__ float sm[NW][G];
-  __shared__ float sl[NW][G];
-  __shared__ float sacc[NW][G][D];
+  __syncthreads(); // the combine reuses the shared memory
+  float* sm = reinterpret_cast<float*>(smem);
+  float* sl = sm + NW * G;
+  float* sacc = sl + NW * G;
+#pragma unroll
   for (int g = 0; g < G; ++g) {
     if (lane == 0) {
-      sm[warp][g] = m[g];
-      sl[warp][g] = l[g];
+      sm[warp * G + g] = m[g];
+      sl[warp * G + g] = l[g];
     }
+#pragma unroll
     for (int j = 0; j < DPL; ++j)
-      sacc[warp][g][lane * DPL + j] = acc[g][j];
+      sacc[(warp * G + g) * D + lane * DPL + j] = acc[g][j];
   }
   __syncthreads();
   for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
@@ -183,29 +254,35 @@ __global__ void decode_attention_kernel(const bf16* q, kv_target kv, const i64* 
     const int c = idx % D;
     float mx = -INFINITY;
     for (int w = 0; w < NW; ++w)
-      mx = fmaxf(mx, sm[w][g]);
+      mx = fmaxf(mx, sm[w * G + g]);
     float total = 0.0f, value = 0.0f;
     for (int w = 0; w < NW; ++w) {
-      const float f = sm[w][g] == -INFINITY ? 0.0f : expf(sm[w][g] - mx);
-      total += sl[w][g] * f;
-      value += sacc[w][g][c] * f;
+      const float f = sm[w * G + g] == -INFINITY ? 0.0f : expf(sm[w * G + g] - mx);
+      total += sl[w * G + g] * f;
+      value += sacc[(w * G + g) * D + c] * f;
     }
-    out[(static_cast<i64>(b) * hq + h * G + g) * D + c] = to_bf(value / total);
+    out[(static_cast<i64>(b) * hq + q0 + g) * D + c] = to_bf(value / total);
   }
 }
 
 template <int D, int G>
 void launch_attention(const void* q, kv_target kv, const i64* table, int width, const i64* lengths,
                       void* out, int b, int hq, int hkv, cudaStream_t s) {
-  constexpr int NW = G <= 8 ? 8 : 4;
+  constexpr int NW = 4;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  decode_attention_kernel<D, G, NW><<<dim3(b, hkv), NW * 32, 0, s>>>(
-    static_cast<const bf16*>(q), kv, table, width, lengths, static_cast<bf16*>(out), hq, hkv, scale);
+  decode_attention_kernel<D, G, NW><<<dim3(b, hq / G), NW * 32, 0, s>>>(
+    static_cast<const bf16*>(q), kv, table, width, lengths, static_cast<bf16*>(out), hq, hkv,
+    hq / hkv, scale);
 }
+
+// Blocks of one KV head each below this many: one block per query head instead.
+constexpr int attention_min_blocks = 128;
 
 template <int D>
 void dispatch_group(int group, const void* q, kv_target kv, const i64* table, int width,
                     const i64* lengths, void* out, int b, int hq, int hkv, cudaStream_t s) {
+  if (b * hkv < attention_min_blocks)
+    group = 1;
   switch (group) {
     case 1: return launch_attention<D, 1>(q, kv, table, width, lengths, out, b, hq, hkv, s);
     case 2: return launch_attention<D, 2>(q, kv, table, width, lengths, out, b, hq, hkv, s);
@@ -216,184 +293,7 @@ void dispatch_group(int group, const void* q, kv_target kv, const i64* table, in
   throw std::invalid_argument("decode_attention: unsupported group " + std::to_string(group));
 }
 
-// ----------------------------------------------------------------------- routing
-
-constexpr int max_experts_per_lane = 8; // experts <= 256
-
-__global__ void route_kernel(const bf16* logits, int n, int experts, int top_k, bool renormalize,
-                             i64* ids, float* weights) {
-  const int token = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  const int lane = threadIdx.x & 31;
-  if (token >= n)
-    return;
-  float v[max_experts_per_lane];
-  float mx = -INFINITY;
-  for (int j = 0; j < max_experts_per_lane; ++j) {
-    const int e = lane + 32 * j;
-    v[j] = e < experts ? to_f(logits[static_cast<i64>(token) * experts + e]) : -INFINITY;
-    mx = fmaxf(mx, v[j]);
-  }
-  mx = warp_max(mx);
-  float sum = 0.0f;
-  for (int j = 0; j < max_experts_per_lane; ++j) {
-    const int e = lane + 32 * j;
-    v[j] = e < experts ? expf(v[j] - mx) : -1.0f;
-    sum += e < experts ? v[j] : 0.0f;
-  }
-  sum = warp_sum(sum);
-  for (int j = 0; j < max_experts_per_lane; ++j)
-    if (lane + 32 * j < experts)
-      v[j] /= sum;
-  float total = 0.0f;
-  for (int k = 0; k < top_k; ++k) {
-    float best = -1.0f;
-    int best_e = 1 << 30;
-    for (int j = 0; j < max_experts_per_lane; ++j) {
-      const int e = lane + 32 * j;
-      if (v[j] > best || (v[j] == best && e < best_e)) {
-        best = v[j];
-        best_e = e;
-      }
-    }
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-      const int oe = __shfl_xor_sync(0xffffffffu, best_e, o);
-      if (ob > best || (ob == best && oe < best_e)) {
-        best = ob;
-        best_e = oe;
-      }
-    }
-    if ((best_e & 31) == lane)
-      v[best_e >> 5] = -1.0f; // taken
-    total += best;
-    if (lane == 0) {
-      ids[static_cast<i64>(token) * top_k + k] = best_e;
-      weights[static_cast<i64>(token) * top_k + k] = best;
-    }
-  }
-  if (renormalize && lane == 0)
-    for (int k = 0; k < top_k; ++k)
-      weights[static_cast<i64>(token) * top_k + k] /= total;
-}
-
-// ----------------------------------------------------------------- bucket by expert
-
-constexpr int max_bucket_copies = 4096;
-constexpr int max_bucket_experts = 1024;
-
-__global__ void bucket_kernel(const i64* ids, int copies, int top_k, int experts, i64* counts,
-                              int* offsets, i64* order, i64* src_token, i64* inverse, i64* loads,
-                              int loads_n) {
-  __shared__ int count[max_bucket_experts];
-  __shared__ int start[max_bucket_experts];
-  __shared__ short id[max_bucket_copies];
-  for (int e = threadIdx.x; e < experts; e += blockDim.x)
-    count[e] = 0;
-  __syncthreads();
-  for (int f = threadIdx.x; f < copies; f += blockDim.x) {
-    id[f] = static_cast<short>(ids[f]);
-    atomicAdd(&count[id[f]], 1);
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int run = 0, used = 0;
-    for (int e = 0; e < experts; ++e) {
-      start[e] = run;
-      run += count[e];
-      offsets[e] = run;
-      counts[e] = count[e];
-      used += count[e] > 0;
-    }
-    for (int i = 0; i < loads_n; ++i)
-      loads[i] += used;
-  }
-  __syncthreads();
-  for (int e = threadIdx.x; e < experts; e += blockDim.x) {
-    if (count[e] == 0)
-      continue;
-    int pos = start[e];
-    for (int f = 0; f < copies; ++f)
-      if (id[f] == e) {
-        order[pos] = f;
-        src_token[pos] = f / top_k;
-        inverse[f] = pos;
-        ++pos;
-      }
-  }
-}
-
-// --------------------------------------------------------------- expert GEMV
-
-constexpr int gemv_max_copies = 64;
-constexpr int gemv_rows_per_block = 8; // one warp per output row
-constexpr int gemv_copies_per_pass = 8;
-
-__global__ void expert_gemv_kernel(const bf16* x, const bf16* w, const i64* ids, const i64* order,
-                                   const i64* counts, const int* offsets, bf16* y, int n, int k) {
-  const int p = blockIdx.x;
-  const int e = static_cast<int>(ids[order[p]]);
-  const int first = e == 0 ? 0 : offsets[e - 1];
-  if (p != first)
-    return; // the group's first copy does the group
-  const int count = static_cast<int>(counts[e]);
-  const int lane = threadIdx.x & 31;
-  const int row = blockIdx.y * gemv_rows_per_block + (threadIdx.x >> 5);
-  if (row >= n)
-    return;
-  const bf16* wr = w + (static_cast<i64>(e) * n + row) * k;
-  for (int c0 = 0; c0 < count; c0 += gemv_copies_per_pass) {
-    const int cs = min(gemv_copies_per_pass, count - c0);
-    float acc[gemv_copies_per_pass];
-    for (int c = 0; c < gemv_copies_per_pass; ++c)
-      acc[c] = 0.0f;
-    for (int k0 = lane * 8; k0 < k; k0 += 256) {
-      const uint4 wv = *reinterpret_cast<const uint4*>(wr + k0);
-      const bf16* wb = reinterpret_cast<const bf16*>(&wv);
-      float wf[8];
-      for (int j = 0; j < 8; ++j)
-        wf[j] = to_f(wb[j]);
-      for (int c = 0; c < cs; ++c) {
-        const uint4 xv =
-          *reinterpret_cast<const uint4*>(x + static_cast<i64>(first + c0 + c) * k + k0);
-        const bf16* xb = reinterpret_cast<const bf16*>(&xv);
-        for (int j = 0; j < 8; ++j)
-          acc[c] += wf[j] * to_f(xb[j]);
-      }
-    }
-    for (int c = 0; c < cs; ++c) {
-      const float s = warp_sum(acc[c]);
-      if (lane == 0)
-        y[static_cast<i64>(first + c0 + c) * n + row] = to_bf(s);
-    }
-  }
-}
-
 // ------------------------------------------------------------------ elementwise
-
-__global__ void silu_mul_kernel(const bf16* gate_up, bf16* act, i64 m, int inter) {
-  const i64 total = m * inter;
-  for (i64 idx = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x; idx < total;
-       idx += static_cast<i64>(gridDim.x) * blockDim.x) {
-    const i64 r = idx / inter;
-    const i64 c = idx % inter;
-    const float g = to_f(gate_up[r * 2 * inter + c]);
-    const float u = to_f(gate_up[r * 2 * inter + inter + c]);
-    act[idx] = to_bf(g / (1.0f + expf(-g)) * u);
-  }
-}
-
-__global__ void mix_kernel(const bf16* y, const i64* inverse, const float* weights, float* x,
-                           int top_k, int h) {
-  const int t = blockIdx.x;
-  for (int c = threadIdx.x; c < h; c += blockDim.x) {
-    float sum = 0.0f;
-    for (int j = 0; j < top_k; ++j) {
-      const i64 f = static_cast<i64>(t) * top_k + j;
-      sum += weights[f] * to_f(y[inverse[f] * h + c]);
-    }
-    x[static_cast<i64>(t) * h + c] += sum;
-  }
-}
 
 __global__ void add_kernel(float* x, const bf16* y, i64 elements) {
   for (i64 idx = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x; idx < elements;
@@ -412,6 +312,13 @@ void rms_norm(const float* x, const void* w, void* out, int rows, int n, float e
   rms_norm_kernel<<<rows, 256, 0, as_stream(stream)>>>(x, static_cast<const bf16*>(w),
                                                        static_cast<bf16*>(out), n, eps);
   check("rms_norm");
+}
+
+void add_rms_norm(float* x, const void* y, const void* w, void* out, int rows, int n, float eps,
+                  void* stream) {
+  add_rms_norm_kernel<<<rows, 256, 0, as_stream(stream)>>>(
+    x, static_cast<const bf16*>(y), static_cast<const bf16*>(w), static_cast<bf16*>(out), n, eps);
+  check("add_rms_norm");
 }
 
 void qk_norm_rope_write(const void* qkv, const void* q_norm, const void* k_norm,
@@ -443,60 +350,6 @@ void decode_attention(const void* q, kv_target kv, const std::int64_t* table, in
   else
     throw std::invalid_argument("decode_attention: unsupported head_dim " + std::to_string(d));
   check("decode_attention");
-}
-
-bool route_supported(int experts, int top_k) {
-  return experts >= 1 && experts <= 32 * max_experts_per_lane && top_k >= 1 && top_k <= experts;
-}
-
-void route(const void* logits, int n, int experts, int top_k, bool renormalize,
-           std::int64_t* ids, float* weights, void* stream) {
-  const int threads = 256; // 8 tokens per block
-  const int blocks = (n * 32 + threads - 1) / threads;
-  route_kernel<<<blocks, threads, 0, as_stream(stream)>>>(static_cast<const bf16*>(logits), n,
-                                                          experts, top_k, renormalize, ids,
-                                                          weights);
-  check("route");
-}
-
-bool bucket_supported(int copies, int experts) {
-  return copies >= 1 && copies <= max_bucket_copies && experts >= 1
-         && experts <= max_bucket_experts && experts <= 32767;
-}
-
-void bucket(const std::int64_t* ids, int copies, int top_k, int experts, std::int64_t* counts,
-            int* offsets, std::int64_t* order, std::int64_t* src_token, std::int64_t* inverse,
-            std::int64_t* loads, int loads_n, void* stream) {
-  bucket_kernel<<<1, 1024, 0, as_stream(stream)>>>(ids, copies, top_k, experts, counts, offsets,
-                                                   order, src_token, inverse, loads, loads_n);
-  check("bucket");
-}
-
-bool expert_gemv_supported(std::int64_t copies, std::int64_t k) {
-  return copies >= 1 && copies <= gemv_max_copies && k % 8 == 0;
-}
-
-void expert_gemv(const void* x, const void* w, const std::int64_t* ids, const std::int64_t* order,
-                 const std::int64_t* counts, const int* offsets, void* y, int copies, int n, int k,
-                 void* stream) {
-  const dim3 grid(copies, (n + gemv_rows_per_block - 1) / gemv_rows_per_block);
-  expert_gemv_kernel<<<grid, gemv_rows_per_block * 32, 0, as_stream(stream)>>>(
-    static_cast<const bf16*>(x), static_cast<const bf16*>(w), ids, order, counts, offsets,
-    static_cast<bf16*>(y), n, k);
-  check("expert_gemv");
-}
-
-void silu_mul(const void* gate_up, void* act, std::int64_t m, int inter, void* stream) {
-  silu_mul_kernel<<<grid_for(m * inter, 256), 256, 0, as_stream(stream)>>>(
-    static_cast<const bf16*>(gate_up), static_cast<bf16*>(act), m, inter);
-  check("silu_mul");
-}
-
-void mix_experts(const void* y, const std::int64_t* inverse, const float* weights, float* x,
-                 int n, int top_k, int h, void* stream) {
-  mix_kernel<<<n, 256, 0, as_stream(stream)>>>(static_cast<const bf16*>(y), inverse, weights, x,
-                                               top_k, h);
-  check("mix_experts");
 }
 
 void add_bf16(float* x, const void* y, std::int64_t elements, void* stream) {

@@ -1,5 +1,5 @@
-// Fused CUDA kernels of the bf16 engine (torch_kernels.cu; built into the LibTorch module in
-// REFIT_CUDA builds only). Plain pointers and a cudaStream_t (as void*): no LibTorch here.
+// Fused CUDA kernels of the bf16 engine (torch_kernels.cu: norms, q/k, attention;
+// torch_kernels_moe.cu: the MoE; built into the LibTorch module in REFIT_CUDA builds only). Plain pointers and a cudaStream_t (as void*): no LibTorch here.
 // Every kernel replaces a chain of ATen ops of torch_fast_forward.cpp with the same arithmetic
 // (fp32 math, bf16 storage), so a decode step launches ~17 kernels per layer instead of ~100.
 //
@@ -12,6 +12,9 @@ namespace refit::inference::kernels {
 
 // out[r] = bf16(x[r] * rsqrt(mean(x[r]^2) + eps) * w), x fp32 [rows, n], w bf16 [n].
 void rms_norm(const float* x, const void* w, void* out, int rows, int n, float eps, void* stream);
+// x[r] += bf16 y[r], then out[r] = RMSNorm(x[r]) as rms_norm (the residual add and the next norm).
+void add_rms_norm(float* x, const void* y, const void* w, void* out, int rows, int n, float eps,
+                  void* stream);
 
 struct kv_target {
   void* base = nullptr;            // the arena
@@ -52,22 +55,46 @@ void bucket(const std::int64_t* ids, int copies, int top_k, int experts, std::in
             int* offsets, std::int64_t* order, std::int64_t* src_token, std::int64_t* inverse,
             std::int64_t* loads, int loads_n, void* stream);
 
-// Few routed copies (decode at small batch): y bf16 [m, n] = x bf16 [m, k] (rows sorted by
-// expert) times w bf16 [e, n, k]^T of each row's expert, every expert's weights read once for
-// all of its copies (a GEMV per expert; the grouped GEMM's tiles waste most of their reads at
-// one or two rows per expert). ids: the flat expert ids, order: sorted position -> flat index,
-// counts int64 [e], offsets int32 [e] (cumulative ends).
-bool expert_gemv_supported(std::int64_t copies, std::int64_t k);
-void expert_gemv(const void* x, const void* w, const std::int64_t* ids, const std::int64_t* order,
-                 const std::int64_t* counts, const int* offsets, void* y, int copies, int n, int k,
-                 void* stream);
+// route then bucket in one launch, for a few tokens (decode at small batch): the same outputs.
+bool route_bucket_supported(int n, int experts, int top_k);
+void route_bucket(const void* logits, int n, int experts, int top_k, bool renormalize,
+                  std::int64_t* ids, float* weights, std::int64_t* counts, int* offsets,
+                  std::int64_t* order, std::int64_t* src_token, std::int64_t* inverse,
+                  std::int64_t* loads, int loads_n, void* stream);
+
+// Few routed copies (decode at small batch): y bf16 [m, n] = x-row(p) times w bf16 [e, n, k]^T
+// of copy p's expert, every expert's weights read once for all of its copies (a GEMV per
+// expert; the grouped GEMM's tiles waste most of their reads at one or two rows per expert).
+// ids: the flat expert ids, order: sorted position -> flat index, counts int64 [e], offsets
+// int32 [e] (cumulative ends). x-row(p) = x[x_rows[p]] (x [tokens, k]: the hidden rows, no
+// gather) when x_rows is set, else x[p] (x [m, k]); gated: x is gate_up bf16 [m, 2k] and
+// x-row(p) = bf16(silu(gate) * up) of row p, as silu_mul computes it.
+struct gemv_args {
+  const void* x = nullptr;
+  const std::int64_t* x_rows = nullptr;
+  bool gated = false;
+  const void* w = nullptr;
+  const std::int64_t* ids = nullptr;
+  const std::int64_t* order = nullptr;
+  const std::int64_t* counts = nullptr;
+  const int* offsets = nullptr;
+  void* y = nullptr;
+  int copies = 0;
+  int experts = 0;
+  int n = 0;
+  int k = 0;
+};
+bool expert_gemv_supported(std::int64_t copies, std::int64_t k, std::int64_t max_copies);
+void expert_gemv(const gemv_args& args, void* stream);
 
 // act bf16 [m, i] = silu(gate) * up of gate_up bf16 [m, 2i] (fp32 math).
 void silu_mul(const void* gate_up, void* act, std::int64_t m, int i, void* stream);
 
-// x fp32 [n, h] += sum_j weights[t, j] * y[inverse[t * top_k + j]] (y bf16 [n * top_k, h]).
+// x fp32 [n, h] += sum_j weights[t, j] * y[inverse[t * top_k + j]] (y bf16 [n * top_k, h]);
+// then, when norm_w is given, norm_out bf16 [n, h] = RMSNorm(x) with norm_w (the next norm).
 void mix_experts(const void* y, const std::int64_t* inverse, const float* weights, float* x,
-                 int n, int top_k, int h, void* stream);
+                 int n, int top_k, int h, const void* norm_w, void* norm_out, float eps,
+                 void* stream);
 
 // x fp32 [n, h] += bf16 y [n, h].
 void add_bf16(float* x, const void* y, std::int64_t elements, void* stream);

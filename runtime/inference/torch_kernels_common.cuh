@@ -1,0 +1,85 @@
+// Device helpers shared by the bf16 engine's kernel files (torch_kernels.cu,
+// torch_kernels_moe.cu). CUDA only; included by .cu files, never by C++ code.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+namespace refit::inference::kernels::detail {
+
+using bf16 = __nv_bfloat16;
+using i64 = std::int64_t;
+
+inline cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
+
+inline void check(const char* what) {
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    throw std::runtime_error(std::string("bf16 engine kernel ") + what + ": "
+                             + cudaGetErrorString(e));
+}
+
+__device__ __forceinline__ float to_f(bf16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ bf16 to_bf(float v) { return __float2bfloat16(v); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1)
+    v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1)
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
+__device__ __forceinline__ float block_sum(float v, float* shared) {
+  v = warp_sum(v);
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  if (lane == 0)
+    shared[warp] = v;
+  __syncthreads();
+  const int warps = blockDim.x >> 5;
+  float total = lane < warps ? shared[lane] : 0.0f;
+  total = warp_sum(total);
+  __syncthreads();
+  return total;
+}
+
+// 8 bf16 of a uint4 as floats.
+__device__ __forceinline__ void unpack8(const uint4& v, float* out) {
+  const bf16* b = reinterpret_cast<const bf16*>(&v);
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+    out[j] = to_f(b[j]);
+}
+
+// RMSNorm of one fp32 row already in global memory (written by this thread for the columns it
+// owns: `vec` columns of 4 per thread when n % 4 == 0, else one by one) to bf16 out.
+__device__ __forceinline__ void norm_row(const float* row, const bf16* w, bf16* o, int n,
+                                         float eps, float ss, float* shared) {
+  ss = block_sum(ss, shared);
+  const float r = rsqrtf(ss / static_cast<float>(n) + eps);
+  if ((n & 3) == 0) {
+    for (int c = threadIdx.x * 4; c < n; c += blockDim.x * 4) {
+      const float4 v = *reinterpret_cast<const float4*>(row + c);
+      const uint2 wv = *reinterpret_cast<const uint2*>(w + c);
+      const bf16* wb = reinterpret_cast<const bf16*>(&wv);
+      __align__(8) bf16 ob[4] = {to_bf(v.x * r * to_f(wb[0])), to_bf(v.y * r * to_f(wb[1])),
+                                 to_bf(v.z * r * to_f(wb[2])), to_bf(v.w * r * to_f(wb[3]))};
+      *reinterpret_cast<uint2*>(o + c) = *reinterpret_cast<const uint2*>(ob);
+    }
+  } else {
+    for (int c = threadIdx.x; c < n; c += blockDim.x)
+      o[c] = to_bf(row[c] * r * to_f(w[c]));
+  }
+}
+
+} // namespace refit::inference::kernels::detail

@@ -1,0 +1,395 @@
+// The bf16 engine's MoE kernels (see torch_kernels.hpp): routing, the counting sort by expert,
+// the per-expert GEMV of small batches, SiLU x up, and the weighted mix of the experts' outputs
+// back into the residual stream (optionally fused with the next RMSNorm).
+#include "runtime/inference/torch_kernels.hpp"
+#include "runtime/inference/torch_kernels_common.cuh"
+
+namespace refit::inference::kernels {
+
+using namespace detail;
+
+namespace {
+
+constexpr int max_experts_per_lane = 8; // experts <= 256
+constexpr int max_bucket_copies = 4096;
+constexpr int max_bucket_experts = 1024;
+constexpr int max_route_bucket_tokens = 64;
+constexpr int gemv_max_k = 4096;
+constexpr int gemv_tokens_per_pass = 8;
+constexpr int gemv_rows_per_block = 8; // one warp per output row
+
+// ----------------------------------------------------------------------- routing
+
+// One warp routes one token: softmax over the experts (fp32), top_k by repeated warp arg-max
+// (ties: lower id), renormalized when asked; lane 0 writes ids / weights.
+__device__ void route_token(const bf16* __restrict__ logits, int token, int experts, int top_k,
+                            bool renormalize, i64* __restrict__ ids, float* __restrict__ weights) {
+  const int lane = threadIdx.x & 31;
+  float v[max_experts_per_lane];
+  float mx = -INFINITY;
+  for (int j = 0; j < max_experts_per_lane; ++j) {
+    const int e = lane + 32 * j;
+    v[j] = e < experts ? to_f(logits[static_cast<i64>(token) * experts + e]) : -INFINITY;
+    mx = fmaxf(mx, v[j]);
+  }
+  mx = warp_max(mx);
+  float sum = 0.0f;
+  for (int j = 0; j < max_experts_per_lane; ++j) {
+    const int e = lane + 32 * j;
+    v[j] = e < experts ? expf(v[j] - mx) : -1.0f;
+    sum += e < experts ? v[j] : 0.0f;
+  }
+  sum = warp_sum(sum);
+  for (int j = 0; j < max_experts_per_lane; ++j)
+    if (lane + 32 * j < experts)
+      v[j] /= sum;
+  float total = 0.0f;
+  for (int k = 0; k < top_k; ++k) {
+    float best = -1.0f;
+    int best_e = 1 << 30;
+    for (int j = 0; j < max_experts_per_lane; ++j) {
+      const int e = lane + 32 * j;
+      if (v[j] > best || (v[j] == best && e < best_e)) {
+        best = v[j];
+        best_e = e;
+      }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+      const int oe = __shfl_xor_sync(0xffffffffu, best_e, o);
+      if (ob > best || (ob == best && oe < best_e)) {
+        best = ob;
+        best_e = oe;
+      }
+    }
+    if ((best_e & 31) == lane)
+      v[best_e >> 5] = -1.0f; // taken
+    total += best;
+    if (lane == 0) {
+      ids[static_cast<i64>(token) * top_k + k] = best_e;
+      weights[static_cast<i64>(token) * top_k + k] = best;
+    }
+  }
+  if (renormalize && lane == 0)
+    for (int k = 0; k < top_k; ++k)
+      weights[static_cast<i64>(token) * top_k + k] /= total;
+}
+
+__global__ void route_kernel(const bf16* __restrict__ logits, int n, int experts, int top_k,
+                             bool renormalize, i64* __restrict__ ids, float* __restrict__ weights) {
+  const int token = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  if (token < n)
+    route_token(logits, token, experts, top_k, renormalize, ids, weights);
+}
+
+// ----------------------------------------------------------------- bucket by expert
+
+// One block of 1024 threads: counts by shared atomics, an exclusive scan over the experts
+// (warp scans + a scan of the warp totals), then one warp per expert scatters its copies in
+// flat index order with ballots (stable, deterministic).
+__device__ void bucket_block(const i64* __restrict__ ids, int copies, int top_k, int experts,
+                             i64* __restrict__ counts, int* __restrict__ offsets,
+                             i64* __restrict__ order, i64* __restrict__ src_token,
+                             i64* __restrict__ inverse, i64* __restrict__ loads, int loads_n) {
+  __shared__ int count[max_bucket_experts];
+  __shared__ int start[max_bucket_experts];
+  __shared__ short id[max_bucket_copies];
+  __shared__ int warp_total[32];
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  for (int e = threadIdx.x; e < experts; e += blockDim.x)
+    count[e] = 0;
+  __syncthreads();
+  for (int f = threadIdx.x; f < copies; f += blockDim.x) {
+    id[f] = static_cast<short>(ids[f]);
+    atomicAdd(&count[id[f]], 1);
+  }
+  __syncthreads();
+  const int e = threadIdx.x; // blockDim.x == max_bucket_experts
+  const int c = e < experts ? count[e] : 0;
+  int inclusive = c;
+  for (int o = 1; o < 32; o <<= 1) {
+    const int v = __shfl_up_sync(0xffffffffu, inclusive, o);
+    if (lane >= o)
+      inclusive += v;
+  }
+  if (lane == 31)
+    warp_total[warp] = inclusive;
+  const int used = __syncthreads_count(c > 0);
+  if (warp == 0) {
+    int t = warp_total[lane];
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, t, o);
+      if (lane >= o)
+        t += v;
+    }
+    warp_total[lane] = t;
+  }
+  __syncthreads();
+  if (e < experts) {
+    const int exclusive = inclusive - c + (warp > 0 ? warp_total[warp - 1] : 0);
+    start[e] = exclusive;
+    offsets[e] = exclusive + c;
+    counts[e] = c;
+  }
+  if (threadIdx.x == 0)
+    for (int i = 0; i < loads_n; ++i)
+      loads[i] += used;
+  __syncthreads();
+  const int warps = blockDim.x >> 5;
+  for (int ex = warp; ex < experts; ex += warps) {
+    if (count[ex] == 0)
+      continue;
+    int pos = start[ex];
+    for (int f0 = 0; f0 < copies; f0 += 32) {
+      const int f = f0 + lane;
+      const bool hit = f < copies && id[f] == ex;
+      const unsigned bits = __ballot_sync(0xffffffffu, hit);
+      if (hit) {
+        const int r = pos + __popc(bits & ((1u << lane) - 1u));
+        order[r] = f;
+        src_token[r] = f / top_k;
+        inverse[f] = r;
+      }
+      pos += __popc(bits);
+    }
+  }
+}
+
+__global__ void __launch_bounds__(1024)
+  bucket_kernel(const i64* __restrict__ ids, int copies, int top_k, int experts,
+                i64* __restrict__ counts, int* __restrict__ offsets, i64* __restrict__ order,
+                i64* __restrict__ src_token, i64* __restrict__ inverse, i64* __restrict__ loads,
+                int loads_n) {
+  bucket_block(ids, copies, top_k, experts, counts, offsets, order, src_token, inverse, loads,
+               loads_n);
+}
+
+// Few tokens: the routing and the counting sort in one launch (one block; warp w routes tokens
+// w, w + 32, ...; the block barrier makes their ids visible to the sort).
+__global__ void __launch_bounds__(1024)
+  route_bucket_kernel(const bf16* __restrict__ logits, int n, int experts, int top_k,
+                      bool renormalize, i64* __restrict__ ids, float* __restrict__ weights,
+                      i64* __restrict__ counts, int* __restrict__ offsets, i64* __restrict__ order,
+                      i64* __restrict__ src_token, i64* __restrict__ inverse,
+                      i64* __restrict__ loads, int loads_n) {
+  for (int t = threadIdx.x >> 5; t < n; t += blockDim.x >> 5)
+    route_token(logits, t, experts, top_k, renormalize, ids, weights);
+  __syncthreads();
+  bucket_block(ids, n * top_k, top_k, experts, counts, offsets, order, src_token, inverse, loads,
+               loads_n);
+}
+
+// --------------------------------------------------------------- expert GEMV
+
+// One block per (expert group, 8 output rows): the group's first sorted copy does the group
+// (the other copies' blocks return), one warp per output row, the group's copies
+// gemv_tokens_per_pass at a time against the row streamed with 16-byte loads (re-read from
+// L1/L2 on later passes). x-row(p) = x[x_rows[p]] when x_rows is set (the token's hidden row:
+// no gather), else x[p]; GATED: x is gate_up [m, 2k] and x-row(p) = bf16(silu(gate) * up) of
+// row p, as silu_mul computes it (one launch less per step).
+template <bool GATED>
+__global__ void expert_gemv_kernel(const bf16* __restrict__ x, const i64* __restrict__ x_rows,
+                                   const bf16* __restrict__ w, const i64* __restrict__ ids,
+                                   const i64* __restrict__ order, const i64* __restrict__ counts,
+                                   const int* __restrict__ offsets, bf16* __restrict__ y, int n,
+                                   int k) {
+  const int p = blockIdx.x;
+  const int e = static_cast<int>(ids[order[p]]);
+  const int count = static_cast<int>(counts[e]);
+  const int first = offsets[e] - count;
+  if (p != first)
+    return;
+  const int lane = threadIdx.x & 31;
+  const int row = blockIdx.y * gemv_rows_per_block + (threadIdx.x >> 5);
+  if (row >= n)
+    return;
+  const bf16* wr = w + (static_cast<i64>(e) * n + row) * k;
+  constexpr int TP = gemv_tokens_per_pass;
+  for (int c0 = 0; c0 < count; c0 += TP) {
+    const int cs = min(TP, count - c0);
+    const bf16* xr[TP];
+#pragma unroll
+    for (int c = 0; c < TP; ++c) {
+      const i64 q = first + c0 + (c < cs ? c : 0);
+      xr[c] = x + (x_rows != nullptr ? x_rows[q] : q) * (GATED ? 2 * k : k);
+    }
+    float acc[TP];
+#pragma unroll
+    for (int c = 0; c < TP; ++c)
+      acc[c] = 0.0f;
+    for (int k0 = lane * 8; k0 < k; k0 += 256) {
+      float wf[8];
+      unpack8(*reinterpret_cast<const uint4*>(wr + k0), wf);
+#pragma unroll
+      for (int c = 0; c < TP; ++c) {
+        if (c < cs) {
+          float xf[8];
+          if constexpr (GATED) { // xr[c] is a gate_up row [2k]: bf16(silu(gate) * up)
+            float uf[8];
+            unpack8(*reinterpret_cast<const uint4*>(xr[c] + k0), xf);
+            unpack8(*reinterpret_cast<const uint4*>(xr[c] + k + k0), uf);
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+              xf[j] = to_f(to_bf(xf[j] / (1.0f + expf(-xf[j])) * uf[j]));
+          } else {
+            unpack8(*reinterpret_cast<const uint4*>(xr[c] + k0), xf);
+          }
+#pragma unroll
+          for (int j = 0; j < 8; ++j)
+            acc[c] += wf[j] * xf[j];
+        }
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < TP; ++c) {
+      if (c < cs) {
+        const float s = warp_sum(acc[c]);
+        if (lane == 0)
+          y[static_cast<i64>(first + c0 + c) * n + row] = to_bf(s);
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------ elementwise
+
+__global__ void silu_mul_kernel(const bf16* __restrict__ gate_up, bf16* __restrict__ act, i64 m,
+                                int inter) {
+  const i64 total = m * inter;
+  for (i64 idx = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x; idx < total;
+       idx += static_cast<i64>(gridDim.x) * blockDim.x) {
+    const i64 r = idx / inter;
+    const i64 c = idx % inter;
+    const float g = to_f(gate_up[r * 2 * inter + c]);
+    const float u = to_f(gate_up[r * 2 * inter + inter + c]);
+    act[idx] = to_bf(g / (1.0f + expf(-g)) * u);
+  }
+}
+
+// One block per token: x[t] += sum_j weights[t, j] * y[inverse[t, j]], columns by 8 (one
+// 16-byte load per expert) when h % 8 == 0; then, when norm_w is given, norm_out[t] =
+// RMSNorm(x[t]) (the next layer's input norm).
+__global__ void mix_kernel(const bf16* __restrict__ y, const i64* __restrict__ inverse,
+                           const float* __restrict__ weights, float* __restrict__ x, int top_k,
+                           int h, const bf16* __restrict__ norm_w, bf16* __restrict__ norm_out,
+                           float eps) {
+  __shared__ float shared[32];
+  const int t = blockIdx.x;
+  const i64* inv = inverse + static_cast<i64>(t) * top_k;
+  const float* wt = weights + static_cast<i64>(t) * top_k;
+  float* row = x + static_cast<i64>(t) * h;
+  float ss = 0.0f;
+  if ((h & 7) == 0) {
+    for (int c = threadIdx.x * 8; c < h; c += blockDim.x * 8) {
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll 8
+      for (int j = 0; j < top_k; ++j) {
+        float v[8];
+        unpack8(*reinterpret_cast<const uint4*>(y + inv[j] * h + c), v);
+        const float wj = wt[j];
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          acc[i] += wj * v[i];
+      }
+      float4* xp = reinterpret_cast<float4*>(row + c);
+      float4 a = xp[0], b = xp[1];
+      a.x += acc[0], a.y += acc[1], a.z += acc[2], a.w += acc[3];
+      b.x += acc[4], b.y += acc[5], b.z += acc[6], b.w += acc[7];
+      xp[0] = a;
+      xp[1] = b;
+      ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w + b.x * b.x + b.y * b.y + b.z * b.z
+            + b.w * b.w;
+    }
+  } else {
+    for (int c = threadIdx.x; c < h; c += blockDim.x) {
+      float sum = 0.0f;
+      for (int j = 0; j < top_k; ++j)
+        sum += wt[j] * to_f(y[inv[j] * h + c]);
+      const float v = row[c] + sum;
+      row[c] = v;
+      ss += v * v;
+    }
+  }
+  if (norm_w != nullptr)
+    norm_row(row, norm_w, norm_out + static_cast<i64>(t) * h, h, eps, ss, shared);
+}
+
+int grid_for(i64 elements, int threads) {
+  const i64 blocks = (elements + threads - 1) / threads;
+  return static_cast<int>(blocks < 4096 ? (blocks < 1 ? 1 : blocks) : 4096);
+}
+
+} // namespace
+
+bool route_supported(int experts, int top_k) {
+  return experts >= 1 && experts <= 32 * max_experts_per_lane && top_k >= 1 && top_k <= experts;
+}
+
+void route(const void* logits, int n, int experts, int top_k, bool renormalize,
+           std::int64_t* ids, float* weights, void* stream) {
+  const int threads = 256; // 8 tokens per block
+  const int blocks = (n * 32 + threads - 1) / threads;
+  route_kernel<<<blocks, threads, 0, as_stream(stream)>>>(static_cast<const bf16*>(logits), n,
+                                                          experts, top_k, renormalize, ids,
+                                                          weights);
+  check("route");
+}
+
+bool bucket_supported(int copies, int experts) {
+  return copies >= 1 && copies <= max_bucket_copies && experts >= 1
+         && experts <= max_bucket_experts && experts <= 32767;
+}
+
+void bucket(const std::int64_t* ids, int copies, int top_k, int experts, std::int64_t* counts,
+            int* offsets, std::int64_t* order, std::int64_t* src_token, std::int64_t* inverse,
+            std::int64_t* loads, int loads_n, void* stream) {
+  bucket_kernel<<<1, max_bucket_experts, 0, as_stream(stream)>>>(
+    ids, copies, top_k, experts, counts, offsets, order, src_token, inverse, loads, loads_n);
+  check("bucket");
+}
+
+bool route_bucket_supported(int n, int experts, int top_k) {
+  return n >= 1 && n <= max_route_bucket_tokens && route_supported(experts, top_k)
+         && bucket_supported(n * top_k, experts);
+}
+
+void route_bucket(const void* logits, int n, int experts, int top_k, bool renormalize,
+                  std::int64_t* ids, float* weights, std::int64_t* counts, int* offsets,
+                  std::int64_t* order, std::int64_t* src_token, std::int64_t* inverse,
+                  std::int64_t* loads, int loads_n, void* stream) {
+  route_bucket_kernel<<<1, max_bucket_experts, 0, as_stream(stream)>>>(
+    static_cast<const bf16*>(logits), n, experts, top_k, renormalize, ids, weights, counts,
+    offsets, order, src_token, inverse, loads, loads_n);
+  check("route_bucket");
+}
+
+bool expert_gemv_supported(std::int64_t copies, std::int64_t k, std::int64_t max_copies) {
+  return copies >= 1 && copies <= max_copies && k % 8 == 0 && k <= gemv_max_k;
+}
+
+void expert_gemv(const gemv_args& a, void* stream) {
+  const dim3 grid(a.copies, (a.n + gemv_rows_per_block - 1) / gemv_rows_per_block);
+  const auto kernel = a.gated ? expert_gemv_kernel<true> : expert_gemv_kernel<false>;
+  kernel<<<grid, gemv_rows_per_block * 32, 0, as_stream(stream)>>>(
+    static_cast<const bf16*>(a.x), a.x_rows, static_cast<const bf16*>(a.w), a.ids, a.order,
+    a.counts, a.offsets, static_cast<bf16*>(a.y), a.n, a.k);
+  check("expert_gemv");
+}
+
+void silu_mul(const void* gate_up, void* act, std::int64_t m, int inter, void* stream) {
+  silu_mul_kernel<<<grid_for(m * inter, 256), 256, 0, as_stream(stream)>>>(
+    static_cast<const bf16*>(gate_up), static_cast<bf16*>(act), m, inter);
+  check("silu_mul");
+}
+
+void mix_experts(const void* y, const std::int64_t* inverse, const float* weights, float* x,
+                 int n, int top_k, int h, const void* norm_w, void* norm_out, float eps,
+                 void* stream) {
+  mix_kernel<<<n, 256, 0, as_stream(stream)>>>(
+    static_cast<const bf16*>(y), inverse, weights, x, top_k, h, static_cast<const bf16*>(norm_w),
+    static_cast<bf16*>(norm_out), eps);
+  check("mix_experts");
+}
+
+} // namespace refit::inference::kernels
