@@ -239,8 +239,10 @@ private:
     if (rank >= ordinals_.size())
       throw comm_error(std::string(what) + ": rank " + std::to_string(rank)
                        + " is out of range for a group of " + std::to_string(ordinals_.size()));
+    // Aborted: refuse without ncclCommAbort here (this may be inside a graph capture, where
+    // NCCL's teardown is not allowed); reset() or the destructor aborts the communicator.
     if (aborted_)
-      aborted_elsewhere(rank);
+      throw comm_error(reason());
     rank_state& s = ranks_[rank];
     if (s.comm == nullptr || s.dead)
       throw comm_error(std::string(what) + ": the NCCL communicator of TP rank "

@@ -13,10 +13,10 @@
 //
 // Failure, as inproc_comm: a rank that waits longer than the timeout, or sees an NCCL error,
 // aborts the group; abort() (any thread) fails every waiting and later call with comm_error. A
-// rank's own communicator is ncclCommAbort'ed by its own thread when it notices (which also
-// ends its NCCL kernels); reset() (no rank in a collective) aborts the rest, creates a fresh
-// set of communicators and bumps device_epoch(), so graphs captured on the old ones are
-// dropped. Mismatched element counts are not detected (NCCL cannot): the engine is SPMD.
+// rank that notices the abort while waiting ncclCommAbort's its own communicator on its own
+// thread (which ends its NCCL kernels); reset() (no rank in a collective) aborts the rest,
+// creates a fresh set of communicators and bumps device_epoch(), so graphs captured on the
+// old ones are dropped. Mismatched element counts are not detected (NCCL cannot): the engine is SPMD.
 #pragma once
 
 #include <chrono>
