@@ -193,8 +193,9 @@ std::unique_ptr<rank_forward> make_rank_forward(const rank_forward_options& opti
 // The path the backend was loaded from ("" before the first make_rank_forward).
 std::string loaded_backend_path();
 
-// ABI handshake between make_rank_forward and the module.
-constexpr std::uint32_t backend_abi_version = 4;
+// ABI handshake between make_rank_forward and the module (5: tp_comm's device collectives,
+// which the module calls through the vtable).
+constexpr std::uint32_t backend_abi_version = 5;
 struct backend_entry {
   std::uint32_t abi_version;
   std::size_t options_size; // sizeof(rank_forward_options) in the module
