@@ -1,5 +1,6 @@
 #include "runtime/cuda/nccl_tp_comm.hpp"
 
+#include <algorithm>
 #include <atomic>
 #include <mutex>
 #include <string>
@@ -362,7 +363,10 @@ private:
       throw error("ncclCommInitRankConfig: " + nccl_text(r));
     if (end != ncclSuccess && end != ncclInProgress)
       throw error("ncclGroupEnd: " + nccl_text(end));
-    const auto deadline = clock_type::now() + timeout_;
+    // Creation (topology, connections, buffers) gets at least a minute even when the
+    // collectives' timeout is short.
+    const auto limit = std::max<std::chrono::milliseconds>(timeout_, std::chrono::minutes(1));
+    const auto deadline = clock_type::now() + limit;
     for (std::size_t i = 0; i < comms.size(); ++i) {
       if (comms[i] == nullptr)
         throw error("no communicator for cuda:" + std::to_string(ordinals_[i]));
@@ -373,7 +377,7 @@ private:
                       + std::to_string(ordinals_[i]));
         if (st == ncclInProgress && clock_type::now() > deadline)
           throw error("the communicator of cuda:" + std::to_string(ordinals_[i])
-                      + " was not ready within " + std::to_string(timeout_.count()) + " ms");
+                      + " was not ready within " + std::to_string(limit.count()) + " ms");
         std::this_thread::yield();
       }
       if (st != ncclSuccess)

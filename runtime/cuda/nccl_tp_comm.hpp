@@ -27,9 +27,9 @@
 
 namespace refit::cuda {
 
-// `ordinals[r]`: TP rank r's CUDA device (distinct, at least 2). Creates and waits for the
-// communicators (at most `timeout`); throws cuda::error naming the devices when NCCL cannot
-// create them.
+// `ordinals[r]`: TP rank r's CUDA device (distinct, at least 2). `timeout`: how long a rank
+// waits for its collectives. Creates and waits for the communicators (at most
+// max(timeout, 1 min)); throws cuda::error naming the devices when NCCL cannot create them.
 std::unique_ptr<inference::tp_comm> make_nccl_tp_comm(std::vector<int> ordinals,
                                                       std::chrono::milliseconds timeout);
 
