@@ -305,6 +305,73 @@ TEST(TpComm, MismatchedCollectivesFailOnEveryRank) {
     EXPECT_NE(e.find("collective mismatch"), std::string::npos) << e;
 }
 
+
+// The host-memory communicators have no device collectives: on_device() says so and every
+// device call is refused with a comm_error naming the call, without touching the group (a
+// host collective still works afterwards).
+TEST(TpComm, HostCommunicatorsRefuseDeviceCollectivesNamingTheCall) {
+  inf::inproc_comm comm(2, 10s);
+  inf::single_rank_comm single;
+  for (inf::tp_comm* c : {static_cast<inf::tp_comm*>(&comm), static_cast<inf::tp_comm*>(&single)}) {
+    EXPECT_FALSE(c->on_device());
+    EXPECT_EQ(c->device_epoch(), 0u);
+    float buffer[4] = {1, 2, 3, 4};
+    float out[8] = {};
+    const auto message = [](const std::function<void()>& call) {
+      try {
+        call();
+      } catch (const inf::comm_error& e) {
+        return std::string(e.what());
+      }
+      return std::string("no comm_error");
+    };
+    const std::string reduce = message([&] {
+      c->all_reduce_sum_device(0, buffer, 4, inf::device_dtype::float32, nullptr);
+    });
+    EXPECT_NE(reduce.find("all_reduce_sum_device"), std::string::npos) << reduce;
+    EXPECT_NE(reduce.find("not a device communicator"), std::string::npos) << reduce;
+    const std::string gather = message([&] {
+      c->all_gather_device(0, buffer, 4, inf::device_dtype::bfloat16, out, nullptr);
+    });
+    EXPECT_NE(gather.find("all_gather_device"), std::string::npos) << gather;
+    EXPECT_NE(gather.find("not a device communicator"), std::string::npos) << gather;
+    const std::string wait = message([&] { c->wait_device(0, nullptr); });
+    EXPECT_NE(wait.find("wait_device"), std::string::npos) << wait;
+    // The buffers were not touched.
+    EXPECT_EQ(buffer[0], 1.0f);
+    EXPECT_EQ(out[0], 0.0f);
+  }
+  // Neither communicator was aborted by the refusals.
+  EXPECT_FALSE(comm.aborted());
+  const auto errors = on_threads(2, [&](std::uint32_t rank) {
+    float v = static_cast<float>(rank + 1);
+    comm.all_reduce_sum(rank, &v, 1);
+    if (v != 3.0f)
+      throw std::runtime_error("sum " + std::to_string(v));
+  });
+  for (const auto& e : errors)
+    EXPECT_EQ(e, "") << e;
+  float one = 5.0f;
+  single.all_reduce_sum(0, &one, 1);
+  EXPECT_EQ(one, 5.0f);
+}
+
+// reset() through the interface re-arms an aborted group (the server holds a tp_comm).
+TEST(TpComm, ResetThroughTheInterfaceReArmsAnAbortedGroup) {
+  inf::single_rank_comm single;
+  inf::tp_comm& c = single;
+  c.abort("test abort");
+  float v = 1.0f;
+  EXPECT_THROW(c.all_reduce_sum(0, &v, 1), inf::comm_error);
+  c.reset();
+  EXPECT_NO_THROW(c.all_reduce_sum(0, &v, 1));
+  inf::inproc_comm comm(1, 1s);
+  inf::tp_comm& d = comm;
+  d.abort("test abort");
+  EXPECT_THROW(d.all_reduce_sum(0, &v, 1), inf::comm_error);
+  d.reset();
+  EXPECT_NO_THROW(d.all_reduce_sum(0, &v, 1));
+}
 // ------------------------------------------------------------------------------- tiny model
 
 model::model_config tiny_config(std::uint32_t vocab = 256, bool tied = false) {

@@ -741,6 +741,37 @@ INSTANTIATE_TEST_SUITE_P(RuntimeChild, BadArgumentsTest,
                          ::testing::ValuesIn(bad_argument_cases()),
                          [](const auto& info) { return info.param.name; });
 
+// REFIT_TP_COMM picks the TP group's collectives: a value that is neither 'inproc' nor 'nccl',
+// and 'nccl' where NCCL cannot work (CPU devices), are startup errors naming the variable.
+TEST(RuntimeChildTpComm, AnUnknownOrImpossibleRefitTpCommIsAStartupErrorNamingIt) {
+  struct env_guard {
+    explicit env_guard(const char* value) { ::setenv("REFIT_TP_COMM", value, 1); }
+    ~env_guard() { ::unsetenv("REFIT_TP_COMM"); }
+  };
+  {
+    env_guard env("shm");
+    auto [output, info] = run_capturing_stderr(command_line(args_for(2)));
+    EXPECT_TRUE(info.exited) << info.describe();
+    EXPECT_EQ(info.code, 1) << info.describe() << "\nstderr: " << output;
+    EXPECT_NE(output.find("REFIT_TP_COMM='shm': expected 'inproc' (host memory) or 'nccl'"),
+              std::string::npos) << output;
+  }
+  {
+    env_guard env("nccl");
+    auto [output, info] = run_capturing_stderr(command_line(args_for(2)));
+    EXPECT_TRUE(info.exited) << info.describe();
+    EXPECT_EQ(info.code, 1) << info.describe() << "\nstderr: " << output;
+    EXPECT_NE(output.find("REFIT_TP_COMM=nccl"), std::string::npos) << output;
+    EXPECT_NE(output.find("cpu:0,cpu:1"), std::string::npos) << output;
+  }
+  {
+    // 'inproc' is what CPU devices use anyway: the child starts and serves.
+    env_guard env("inproc");
+    runtime_child child(args_for(2));
+    EXPECT_EQ(child.describe().runtime_kind(), "refit-runtime");
+  }
+}
+
 // refit-runtime's own memory preflight: a KV cache beyond the machine is refused before any
 // allocation, with the key and both numbers, and a distinct exit code (3), not SIGKILL by OOM.
 TEST(RuntimeChildPreflight, AKvCacheBeyondTheMachineExitsWith3NamingTheKey) {

@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <chrono>
 #include <csignal>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <sys/socket.h>
@@ -23,6 +24,9 @@
 #include "runtime/control/protocol_version.hpp"
 #include "runtime/control/trace_wire.hpp"
 #include "runtime/trace/trace.hpp"
+#if REFIT_HAVE_CUDA
+#include "runtime/cuda/nccl_tp_comm.hpp"
+#endif
 
 
 namespace refit::child {
@@ -36,6 +40,40 @@ void log_line(const std::string& message) {
 }
 
 
+std::unique_ptr<inference::tp_comm> make_tp_comm(const std::vector<device::spec>& devices,
+                                                 std::chrono::milliseconds timeout) {
+  const auto tp = static_cast<std::uint32_t>(devices.size());
+  std::string names;
+  std::vector<int> ordinals;
+  bool distinct_cuda = tp > 1;
+  for (const auto& d : devices) {
+    names += (names.empty() ? "" : ",") + device::to_string(d);
+    if (d.k != device::kind::cuda
+        || std::find(ordinals.begin(), ordinals.end(), d.index) != ordinals.end())
+      distinct_cuda = false;
+    ordinals.push_back(d.index);
+  }
+  const char* env = std::getenv("REFIT_TP_COMM");
+  const std::string forced = env == nullptr ? "" : env;
+  if (!forced.empty() && forced != "inproc" && forced != "nccl")
+    throw std::invalid_argument("REFIT_TP_COMM='" + forced
+                                + "': expected 'inproc' (host memory) or 'nccl'");
+  if (forced == "nccl" && (!REFIT_HAVE_CUDA || !distinct_cuda))
+    throw std::invalid_argument("REFIT_TP_COMM=nccl: the NCCL TP communicator needs a CUDA build "
+                                "and tp > 1 on distinct CUDA devices, got " + names);
+#if REFIT_HAVE_CUDA
+  if (distinct_cuda && forced != "inproc") {
+    try {
+      return cuda::make_nccl_tp_comm(std::move(ordinals), timeout);
+    } catch (const std::exception& e) {
+      throw std::runtime_error(std::string(e.what())
+                               + " (REFIT_TP_COMM=inproc falls back to host memory)");
+    }
+  }
+#endif
+  return std::make_unique<inference::inproc_comm>(tp, timeout);
+}
+
 server::server(server_options options)
   : options_(std::move(options)),
     layout_(std::make_shared<const model::tp_layout>(
@@ -46,8 +84,8 @@ server::server(server_options options)
   // devices have (the parent checked too; this covers a direct command line). Throws
   // publication::memory_refusal naming the key; main exits with exit_preflight.
   publication::preflight_runtime_memory(options_.model, options_.devices, options_.kv_cache_bytes);
-  comm_ = std::make_unique<inference::inproc_comm>(
-    tp, std::chrono::duration_cast<std::chrono::milliseconds>(collective_timeout));
+  comm_ = make_tp_comm(options_.devices,
+                       std::chrono::duration_cast<std::chrono::milliseconds>(collective_timeout));
   for (std::uint32_t rank = 0; rank < tp; ++rank)
     workers_.push_back(std::make_unique<worker>(rank, static_cast<int>(rank),
                                                 options_.devices[rank], layout_,
@@ -65,7 +103,8 @@ server::server(server_options options)
   std::string devices;
   for (const auto& d : options_.devices)
     devices += (devices.empty() ? "" : ",") + device::to_string(d);
-  log_line("serving tp=" + std::to_string(tp) + " on " + devices + ": "
+  log_line("serving tp=" + std::to_string(tp) + " on " + devices + " (TP collectives: "
+           + (tp == 1 ? "none" : comm_->on_device() ? "NCCL" : "in-process, host memory") + "): "
            + std::to_string(layout_->residents().size()) + " resident tensors ("
            + std::to_string(layout_->resident_bytes()) + " bytes) and "
            + std::to_string(options_.kv_cache_bytes) + " bytes of KV cache per worker");

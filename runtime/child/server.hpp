@@ -5,6 +5,7 @@
 // Also applies the test-only faults of --fault.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -29,6 +30,12 @@ namespace pb = refit::control::v1;
 
 // One log line on stderr, prefixed "refit-runtime[pid]: ".
 void log_line(const std::string& message);
+
+// The TP group over `devices` (rank r on devices[r]); see server::comm_. Throws naming the
+// devices when NCCL cannot create the communicators, and naming REFIT_TP_COMM when it is
+// neither 'inproc' nor 'nccl' or asks for NCCL where it cannot work.
+std::unique_ptr<inference::tp_comm> make_tp_comm(const std::vector<device::spec>& devices,
+                                                 std::chrono::milliseconds timeout);
 
 enum class fault_kind {
   stall,         // never answer; stay alive
@@ -141,13 +148,16 @@ private:
 
   server_options options_;
   const std::shared_ptr<const model::tp_layout> layout_;
+  // Connects the TP workers during generate; reset after every request. NCCL
+  // (cuda::make_nccl_tp_comm) when tp > 1 on distinct CUDA devices of a CUDA build, else the
+  // in-process host-memory group; REFIT_TP_COMM=inproc|nccl forces one. Declared before
+  // workers_: the workers' engines (CUDA graphs holding NCCL calls) go before the comm.
+  std::unique_ptr<inference::tp_comm> comm_;
   std::vector<std::unique_ptr<worker>> workers_;
   weight_transfer transfer_; // after workers_: refers to them
   std::uint32_t sleep_level_ = 0;
   bool weights_valid_ = false;
   std::uint64_t model_version_ = 0;
-  // Connects the TP workers during generate; reset after every request.
-  std::unique_ptr<inference::inproc_comm> comm_;
   std::map<pb::Command, std::uint32_t> occurrences_; // requests seen per command
 };
 

@@ -111,14 +111,17 @@ struct rank_forward_options {
   // LibTorch intra-op threads of the calling thread (0: leave as is).
   int compute_threads = 0;
   // >= 0: the weights and the KV arena are in the memory of CUDA device `cuda_device` and the
-  // forward runs there (a LibTorch with CUDA is needed); collectives and the returned logits
-  // go through host memory. -1: CPU.
+  // forward runs there (a LibTorch with CUDA is needed); the returned logits go through host
+  // memory, the collectives through `comm` (host memory, or the device when
+  // comm->on_device(): the bf16 engine then all-reduces and all-gathers in device memory).
+  // -1: CPU.
   int cuda_device = -1;
   // float32: the reference path (KV fp32). bfloat16: the bf16 engine (KV bf16; the residents
   // must be bf16). Paths that need the fp32 reference (the runtime's SCORE command) set float32
   // explicitly.
   model::dtype compute_dtype = model::dtype::float32;
-  // bf16 engine on a GPU at tp 1: replay decode steps from CUDA graphs.
+  // bf16 engine on a GPU at tp 1, or at tp > 1 with a device comm: replay decode steps from
+  // CUDA graphs.
   bool cuda_graphs = true;
   // Blocks of the KV arena at kv_base (block ids of forward_item tables are below it).
   std::uint32_t kv_blocks = 0;
@@ -190,8 +193,9 @@ std::unique_ptr<rank_forward> make_rank_forward(const rank_forward_options& opti
 // The path the backend was loaded from ("" before the first make_rank_forward).
 std::string loaded_backend_path();
 
-// ABI handshake between make_rank_forward and the module.
-constexpr std::uint32_t backend_abi_version = 4;
+// ABI handshake between make_rank_forward and the module (5: tp_comm's device collectives,
+// which the module calls through the vtable).
+constexpr std::uint32_t backend_abi_version = 5;
 struct backend_entry {
   std::uint32_t abi_version;
   std::size_t options_size; // sizeof(rank_forward_options) in the module

@@ -81,7 +81,11 @@ fast_rank_forward::fast_rank_forward(const rank_forward_options& o)
     baseline_bytes_ = allocated_bytes();
   }
 #endif
-  graphs_enabled_ = device_.is_cuda() && o.tp == 1 && o.cuda_graphs;
+  device_comm_ = device_.is_cuda() && o.tp > 1 && o.comm->on_device();
+  graphs_enabled_ = device_.is_cuda() && (o.tp == 1 || device_comm_) && o.cuda_graphs;
+#if defined(REFIT_TORCH_CUDA)
+  graphs_epoch_ = o.comm->device_epoch();
+#endif
 #if defined(REFIT_TORCH_CUDA)
   fused_ = device_.is_cuda() && o.fused_kernels;
   fused_decode_attention_ = kernels::decode_attention_supported(
@@ -94,6 +98,7 @@ std::vector<float> fast_rank_forward::forward(const std::vector<forward_item>& i
                            logits_rows rows) {
   scope s(*this);
   const at::Tensor logits = run_eager(items, kv_base, rows);
+  wait_collectives();
   const at::Tensor host = logits.contiguous().cpu();
   const float* data = host.data_ptr<float>();
   return std::vector<float>(data, data + host.numel());
@@ -129,7 +134,7 @@ std::vector<sampled_token> fast_rank_forward::forward_sample_device(const std::v
   rows.reserve(draws.size());
   for (const auto& d : draws)
     rows.push_back(d.row);
-  const at::Tensor row_index = upload(rows);
+  const at::Tensor row_index = upload(rows); // waits for the step's collectives (deadline)
   const at::Tensor u = at::from_blob(const_cast<double*>(uniforms.data()),
                                      {static_cast<std::int64_t>(uniforms.size())}, at::kDouble)
                          .to(device_);
@@ -289,6 +294,10 @@ at::Tensor fast_rank_forward::run_graph(const std::vector<forward_item>& items, 
   const std::int64_t width = pow2_at_least(blocks);
   ensure_rope(width * o_.kv.block_size);
   const host_inputs h = gather_inputs(items, batch, width);
+  if (graphs_epoch_ != o_.comm->device_epoch()) { // NCCL communicators re-created
+    graphs_.clear();
+    graphs_epoch_ = o_.comm->device_epoch();
+  }
   const std::int64_t fields = 5 * batch + batch * width + batch;
   auto& slot = graphs_[{batch, width}];
   const bool fresh = !slot;
@@ -329,7 +338,18 @@ at::Tensor fast_rank_forward::run_graph(const std::vector<forward_item>& items, 
     model(slot->in, kv_base, nullptr, slot->picked, true);
     expert_loads_.copy_(counted);
     slot->graph.capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
-    slot->logits = model(slot->in, kv_base, nullptr, slot->picked, true);
+    try {
+      slot->logits = model(slot->in, kv_base, nullptr, slot->picked, true);
+    } catch (...) {
+      // A failed step (e.g. the TP group aborted): end the capture so the stream is usable,
+      // and drop the half-captured graph.
+      try {
+        slot->graph.capture_end();
+      } catch (...) {
+      }
+      graphs_.erase({batch, width});
+      throw;
+    }
     slot->graph.capture_end();
     ++counters_.graph_captures;
   }

@@ -18,8 +18,10 @@
 // fp32 (+ all-reduce). Nothing in a step reads device memory on the host except the sampled
 // tokens at its end (and the expert counts of the fallback loop).
 //
-// On a CUDA device at tp 1 a decode step (every item one token) is captured once per
-// (batch bucket, block-table bucket) as a CUDA graph and replayed: the step's inputs
+// On a CUDA device at tp 1, or at tp > 1 with a device comm (NCCL: the all-reduces and the
+// logits all-gather are enqueued on the engine's stream, so they are captured too; every rank
+// captures and replays the same sequence), a decode step (every item one token) is captured
+// once per (batch bucket, block-table bucket) as a CUDA graph and replayed: the step's inputs
 // (tokens, positions, slots, block tables, lengths) are one int64 buffer copied host ->
 // device before the replay; rows past the batch repeat row 0 and write row 0's K/V values to
 // row 0's slot, so padding never touches another sequence's cache.
@@ -140,7 +142,11 @@ private:
                        [](const forward_item& i) { return i.count == 1; });
   }
 
+  // Host -> device (LibTorch synchronizes the stream for a pageable copy: with NCCL
+  // collectives on it, first wait for them against the comm's deadline, so a dead peer is a
+  // comm_error, not a hang).
   at::Tensor upload(const std::vector<std::int64_t>& values) const {
+    wait_collectives();
     return at::from_blob(const_cast<std::int64_t*>(values.data()),
                          {static_cast<std::int64_t>(values.size())}, at::kLong)
       .to(device_);
@@ -174,7 +180,18 @@ private:
 
   at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) const;
 
+  // Sum over the TP group: in place on the device with a device comm (NCCL), else through
+  // host memory (t replaced).
   void all_reduce(at::Tensor& t) const;
+
+  // Waits (comm deadline, abort) for the collectives enqueued on the engine's stream; call
+  // before any host synchronization with it. A no-op without device collectives.
+  void wait_collectives() const {
+#if defined(REFIT_TORCH_CUDA)
+    if (device_comm_)
+      o_.comm->wait_device(o_.rank, stream());
+#endif
+  }
 
   // The model over the step; returns logits [rows, vocab] fp32 on the device. `decode`: every
   // item is one token and attention reads in.table / in.lengths; else `items` drive the
@@ -264,6 +281,7 @@ private:
   at::Tensor expert_loads_;
   forward_counters counters_;
   bool graphs_enabled_ = false;
+  bool device_comm_ = false;            // tp > 1 on a GPU with a device comm (NCCL)
   bool fused_ = false;                  // the fused CUDA kernels (torch_kernels.cu)
   bool fused_decode_attention_ = false; // their decode attention supports this shape
   // Routed copies up to which a step uses the expert GEMV instead of the grouped GEMM
@@ -273,6 +291,7 @@ private:
   std::optional<c10::cuda::CUDAStream> stream_;
   std::int64_t baseline_bytes_ = 0;
   std::map<std::pair<std::int64_t, std::int64_t>, std::unique_ptr<graph_entry>> graphs_;
+  std::uint64_t graphs_epoch_ = 0; // the comm's device_epoch() the graphs were captured in
 #endif
 };
 

@@ -19,6 +19,20 @@ at::Tensor fast_rank_forward::rope(const at::Tensor& x, const at::Tensor& cos, c
 void fast_rank_forward::all_reduce(at::Tensor& t) const {
   if (o_.tp == 1)
     return;
+#if defined(REFIT_TORCH_CUDA)
+  if (device_comm_) { // NCCL, in place on the engine's stream (capturable); no host copy
+    if (t.scalar_type() != at::kFloat && t.scalar_type() != at::kBFloat16)
+      throw std::logic_error("bf16 engine: TP all-reduce of a tensor that is neither float32 "
+                             "nor bfloat16");
+    if (!t.is_contiguous())
+      t = t.contiguous();
+    o_.comm->all_reduce_sum_device(o_.rank, t.data_ptr(), static_cast<std::size_t>(t.numel()),
+                                   t.scalar_type() == at::kFloat ? device_dtype::float32
+                                                                 : device_dtype::bfloat16,
+                                   stream());
+    return;
+  }
+#endif
   at::Tensor host = t.to(at::kFloat).contiguous().cpu();
   o_.comm->all_reduce_sum(o_.rank, host.data_ptr<float>(), static_cast<std::size_t>(host.numel()));
   t = host.to(t.device()).to(t.scalar_type());
@@ -83,6 +97,17 @@ at::Tensor fast_rank_forward::model(const step_inputs& in, std::byte* kv_base, c
   if (o_.tp == 1)
     return local.narrow(1, 0, std::int64_t{cfg_.vocab_size});
   const std::int64_t r = local.size(0);
+#if defined(REFIT_TORCH_CUDA)
+  if (device_comm_) { // NCCL all-gather into [tp, r, vocab_rows] on the device
+    const at::Tensor mine = local.contiguous();
+    at::Tensor all = at::empty({static_cast<std::int64_t>(o_.tp), r, vocab_rows_}, f32_);
+    o_.comm->all_gather_device(o_.rank, mine.data_ptr(), static_cast<std::size_t>(mine.numel()),
+                               device_dtype::float32, all.data_ptr(), stream());
+    return all.permute({1, 0, 2})
+      .reshape({r, static_cast<std::int64_t>(o_.tp) * vocab_rows_})
+      .narrow(1, 0, std::int64_t{cfg_.vocab_size});
+  }
+#endif
   at::Tensor host = local.contiguous().cpu();
   at::Tensor gathered = at::empty({static_cast<std::int64_t>(o_.tp), r, vocab_rows_}, at::kFloat);
   o_.comm->all_gather(o_.rank, host.data_ptr<float>(), static_cast<std::size_t>(host.numel()),
