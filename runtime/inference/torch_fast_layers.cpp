@@ -268,20 +268,6 @@ at::Tensor fast_rank_forward::experts(const layer_tensors& w, const at::Tensor& 
     inverse = at::empty({copies}, i64_);
   };
 #if defined(REFIT_TORCH_CUDA)
-  if (fused_ && kernels::route_bucket_supported(static_cast<int>(n), static_cast<int>(experts_),
-                                                static_cast<int>(top_k_))) {
-    at::Tensor ids = at::empty({n, top_k_}, i64_);
-    weights = at::empty({n, top_k_}, f32_);
-    sort_outputs();
-    kernels::route_bucket(router_logits.data_ptr(), static_cast<int>(n), static_cast<int>(experts_),
-                          static_cast<int>(top_k_), cfg_.norm_topk_prob,
-                          ids.data_ptr<std::int64_t>(), weights.data_ptr<float>(),
-                          counts.data_ptr<std::int64_t>(), offsets.data_ptr<int>(),
-                          order.data_ptr<std::int64_t>(), src_token.data_ptr<std::int64_t>(),
-                          inverse.data_ptr<std::int64_t>(), expert_loads_.data_ptr<std::int64_t>(),
-                          decode ? 2 : 1, stream());
-    chosen = ids.reshape({-1});
-  }
   if (!chosen.defined() && fused_
       && kernels::route_supported(static_cast<int>(experts_), static_cast<int>(top_k_))) {
     at::Tensor ids = at::empty({n, top_k_}, i64_);
@@ -326,13 +312,12 @@ at::Tensor fast_rank_forward::experts(const layer_tensors& w, const at::Tensor& 
 
   // The expert GEMV (few copies per expert) or the grouped GEMM over the sorted copies.
   [[maybe_unused]] const auto gemv = [&](const at::Tensor& in, const at::Tensor* rows,
-                                         bool gated, const at::Tensor& weight) {
+                                         const at::Tensor& weight) {
     at::Tensor out = at::empty({copies, weight.size(1)}, bf_);
 #if defined(REFIT_TORCH_CUDA)
     kernels::gemv_args a;
     a.x = in.data_ptr();
     a.x_rows = rows != nullptr ? rows->data_ptr<std::int64_t>() : nullptr;
-    a.gated = gated;
     a.w = weight.data_ptr();
     a.ids = chosen.data_ptr<std::int64_t>();
     a.order = order.data_ptr<std::int64_t>();
@@ -353,21 +338,20 @@ at::Tensor fast_rank_forward::experts(const layer_tensors& w, const at::Tensor& 
   gemv_down = fused_ && kernels::expert_gemv_supported(copies, w.w2.size(2), gemv_max_copies_);
 #endif
   // gate_up: the GEMV reads the token rows of h itself; the grouped GEMM takes them gathered.
-  const at::Tensor gate_up = gemv_up ? gemv(h, &src_token, false, w.w13)
+  const at::Tensor gate_up = gemv_up ? gemv(h, &src_token, w.w13)
                                      : grouped(h.index_select(0, src_token), w.w13, counts, offsets);
-  // The down projection's GEMV computes SiLU x up itself; otherwise the fused kernel or ATen.
   at::Tensor act;
 #if defined(REFIT_TORCH_CUDA)
-  if (fused_ && !gemv_down) {
+  if (fused_) {
     act = at::empty({copies, inter_}, bf_);
     kernels::silu_mul(gate_up.data_ptr(), act.data_ptr(), copies, static_cast<int>(inter_),
                       stream());
   }
 #endif
-  if (!act.defined() && !gemv_down)
+  if (!act.defined())
     act = at::silu(gate_up.narrow(1, 0, inter_)) * gate_up.narrow(1, inter_, inter_);
   const at::Tensor ys =
-    gemv_down ? gemv(gate_up, nullptr, true, w.w2) : grouped(act, w.w2, counts, offsets);
+    gemv_down ? gemv(act, nullptr, w.w2) : grouped(act, w.w2, counts, offsets);
 #if defined(REFIT_TORCH_CUDA)
   if (fused_ && o_.tp == 1) {
     if (!inverse.defined())

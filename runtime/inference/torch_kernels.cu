@@ -114,9 +114,8 @@ __global__ void qk_kernel(const bf16* qkv, const bf16* q_norm, const bf16* k_nor
 
 // ------------------------------------------------------------- decode attention
 
-// One block per (sequence, G query heads of one KV head: G = the GQA group, or 1 when the batch
-// is too small to fill the GPU with one block per KV head, so each block's serial work shrinks
-// G-fold and the KV rows are re-read from L2); its NW warps take tiles of 32 positions in turn. In a
+// One block per (sequence, the G = hq / hkv query heads of one KV head); its NW warps take tiles
+// of 32 positions in turn. In a
 // tile every lane owns one position: it starts the copy of its V row into shared memory
 // (cp.async), loads its whole K row at once (16-byte loads) and scores it against the group's
 // G query heads (q in shared memory): the tile costs one memory latency, not one per position.
@@ -275,14 +274,9 @@ void launch_attention(const void* q, kv_target kv, const i64* table, int width, 
     hq / hkv, scale);
 }
 
-// Blocks of one KV head each below this many: one block per query head instead.
-constexpr int attention_min_blocks = 128;
-
 template <int D>
 void dispatch_group(int group, const void* q, kv_target kv, const i64* table, int width,
                     const i64* lengths, void* out, int b, int hq, int hkv, cudaStream_t s) {
-  if (b * hkv < attention_min_blocks)
-    group = 1;
   switch (group) {
     case 1: return launch_attention<D, 1>(q, kv, table, width, lengths, out, b, hq, hkv, s);
     case 2: return launch_attention<D, 2>(q, kv, table, width, lengths, out, b, hq, hkv, s);

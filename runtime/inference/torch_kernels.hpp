@@ -55,24 +55,16 @@ void bucket(const std::int64_t* ids, int copies, int top_k, int experts, std::in
             int* offsets, std::int64_t* order, std::int64_t* src_token, std::int64_t* inverse,
             std::int64_t* loads, int loads_n, void* stream);
 
-// route then bucket in one launch, for a few tokens (decode at small batch): the same outputs.
-bool route_bucket_supported(int n, int experts, int top_k);
-void route_bucket(const void* logits, int n, int experts, int top_k, bool renormalize,
-                  std::int64_t* ids, float* weights, std::int64_t* counts, int* offsets,
-                  std::int64_t* order, std::int64_t* src_token, std::int64_t* inverse,
-                  std::int64_t* loads, int loads_n, void* stream);
 
 // Few routed copies (decode at small batch): y bf16 [m, n] = x-row(p) times w bf16 [e, n, k]^T
 // of copy p's expert, every expert's weights read once for all of its copies (a GEMV per
 // expert; the grouped GEMM's tiles waste most of their reads at one or two rows per expert).
 // ids: the flat expert ids, order: sorted position -> flat index, counts int64 [e], offsets
 // int32 [e] (cumulative ends). x-row(p) = x[x_rows[p]] (x [tokens, k]: the hidden rows, no
-// gather) when x_rows is set, else x[p] (x [m, k]); gated: x is gate_up bf16 [m, 2k] and
-// x-row(p) = bf16(silu(gate) * up) of row p, as silu_mul computes it.
+// gather) when x_rows is set, else x[p] (x [m, k]).
 struct gemv_args {
   const void* x = nullptr;
   const std::int64_t* x_rows = nullptr;
-  bool gated = false;
   const void* w = nullptr;
   const std::int64_t* ids = nullptr;
   const std::int64_t* order = nullptr;

@@ -13,7 +13,6 @@ namespace {
 constexpr int max_experts_per_lane = 8; // experts <= 256
 constexpr int max_bucket_copies = 4096;
 constexpr int max_bucket_experts = 1024;
-constexpr int max_route_bucket_tokens = 64;
 constexpr int gemv_max_k = 4096;
 constexpr int gemv_tokens_per_pass = 8;
 constexpr int gemv_rows_per_block = 8; // one warp per output row
@@ -165,30 +164,13 @@ __global__ void __launch_bounds__(1024)
                loads_n);
 }
 
-// Few tokens: the routing and the counting sort in one launch (one block; warp w routes tokens
-// w, w + 32, ...; the block barrier makes their ids visible to the sort).
-__global__ void __launch_bounds__(1024)
-  route_bucket_kernel(const bf16* __restrict__ logits, int n, int experts, int top_k,
-                      bool renormalize, i64* __restrict__ ids, float* __restrict__ weights,
-                      i64* __restrict__ counts, int* __restrict__ offsets, i64* __restrict__ order,
-                      i64* __restrict__ src_token, i64* __restrict__ inverse,
-                      i64* __restrict__ loads, int loads_n) {
-  for (int t = threadIdx.x >> 5; t < n; t += blockDim.x >> 5)
-    route_token(logits, t, experts, top_k, renormalize, ids, weights);
-  __syncthreads();
-  bucket_block(ids, n * top_k, top_k, experts, counts, offsets, order, src_token, inverse, loads,
-               loads_n);
-}
-
 // --------------------------------------------------------------- expert GEMV
 
 // One block per (expert group, 8 output rows): the group's first sorted copy does the group
 // (the other copies' blocks return), one warp per output row, the group's copies
 // gemv_tokens_per_pass at a time against the row streamed with 16-byte loads (re-read from
 // L1/L2 on later passes). x-row(p) = x[x_rows[p]] when x_rows is set (the token's hidden row:
-// no gather), else x[p]; GATED: x is gate_up [m, 2k] and x-row(p) = bf16(silu(gate) * up) of
-// row p, as silu_mul computes it (one launch less per step).
-template <bool GATED>
+// no gather), else x[p].
 __global__ void expert_gemv_kernel(const bf16* __restrict__ x, const i64* __restrict__ x_rows,
                                    const bf16* __restrict__ w, const i64* __restrict__ ids,
                                    const i64* __restrict__ order, const i64* __restrict__ counts,
@@ -212,7 +194,7 @@ __global__ void expert_gemv_kernel(const bf16* __restrict__ x, const i64* __rest
 #pragma unroll
     for (int c = 0; c < TP; ++c) {
       const i64 q = first + c0 + (c < cs ? c : 0);
-      xr[c] = x + (x_rows != nullptr ? x_rows[q] : q) * (GATED ? 2 * k : k);
+      xr[c] = x + (x_rows != nullptr ? x_rows[q] : q) * k;
     }
     float acc[TP];
 #pragma unroll
@@ -225,16 +207,7 @@ __global__ void expert_gemv_kernel(const bf16* __restrict__ x, const i64* __rest
       for (int c = 0; c < TP; ++c) {
         if (c < cs) {
           float xf[8];
-          if constexpr (GATED) { // xr[c] is a gate_up row [2k]: bf16(silu(gate) * up)
-            float uf[8];
-            unpack8(*reinterpret_cast<const uint4*>(xr[c] + k0), xf);
-            unpack8(*reinterpret_cast<const uint4*>(xr[c] + k + k0), uf);
-#pragma unroll
-            for (int j = 0; j < 8; ++j)
-              xf[j] = to_f(to_bf(xf[j] / (1.0f + expf(-xf[j])) * uf[j]));
-          } else {
-            unpack8(*reinterpret_cast<const uint4*>(xr[c] + k0), xf);
-          }
+          unpack8(*reinterpret_cast<const uint4*>(xr[c] + k0), xf);
 #pragma unroll
           for (int j = 0; j < 8; ++j)
             acc[c] += wf[j] * xf[j];
@@ -349,29 +322,13 @@ void bucket(const std::int64_t* ids, int copies, int top_k, int experts, std::in
   check("bucket");
 }
 
-bool route_bucket_supported(int n, int experts, int top_k) {
-  return n >= 1 && n <= max_route_bucket_tokens && route_supported(experts, top_k)
-         && bucket_supported(n * top_k, experts);
-}
-
-void route_bucket(const void* logits, int n, int experts, int top_k, bool renormalize,
-                  std::int64_t* ids, float* weights, std::int64_t* counts, int* offsets,
-                  std::int64_t* order, std::int64_t* src_token, std::int64_t* inverse,
-                  std::int64_t* loads, int loads_n, void* stream) {
-  route_bucket_kernel<<<1, max_bucket_experts, 0, as_stream(stream)>>>(
-    static_cast<const bf16*>(logits), n, experts, top_k, renormalize, ids, weights, counts,
-    offsets, order, src_token, inverse, loads, loads_n);
-  check("route_bucket");
-}
-
 bool expert_gemv_supported(std::int64_t copies, std::int64_t k, std::int64_t max_copies) {
   return copies >= 1 && copies <= max_copies && k % 8 == 0 && k <= gemv_max_k;
 }
 
 void expert_gemv(const gemv_args& a, void* stream) {
   const dim3 grid(a.copies, (a.n + gemv_rows_per_block - 1) / gemv_rows_per_block);
-  const auto kernel = a.gated ? expert_gemv_kernel<true> : expert_gemv_kernel<false>;
-  kernel<<<grid, gemv_rows_per_block * 32, 0, as_stream(stream)>>>(
+  expert_gemv_kernel<<<grid, gemv_rows_per_block * 32, 0, as_stream(stream)>>>(
     static_cast<const bf16*>(a.x), a.x_rows, static_cast<const bf16*>(a.w), a.ids, a.order,
     a.counts, a.offsets, static_cast<bf16*>(a.y), a.n, a.k);
   check("expert_gemv");
