@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <iostream>
 #include <numeric>
 #include <string>
@@ -296,3 +297,30 @@ TEST(Bf16Engine, ScoreOnTheBf16ArenaIsTheFp32Reference) {
 }
 
 } // namespace
+
+// The expert-GEMV tuning knob (REFIT_EXPERT_GEMV_MAX_COPIES) is read when an engine is built: a
+// value that is not a count is refused naming the variable; a count is taken.
+TEST(Bf16Engine, AnExpertGemvKnobThatIsNotACountIsRefusedNamingTheVariable) {
+  const auto cfg = refit::testing::tiny_model();
+  const auto w = engine_synthetic(cfg);
+  struct env_guard {
+    ~env_guard() { ::unsetenv("REFIT_EXPERT_GEMV_MAX_COPIES"); }
+  } guard;
+  for (const char* bad : {"eight", "-1", "12x", "1000001"}) {
+    ::setenv("REFIT_EXPERT_GEMV_MAX_COPIES", bad, 1);
+    host_memory mem;
+    try {
+      auto rig = cpu_rig(mem, cfg, w, model::dtype::bfloat16, 8, 8);
+      ADD_FAILURE() << "REFIT_EXPERT_GEMV_MAX_COPIES=" << bad << " was taken";
+    } catch (const std::exception& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("REFIT_EXPERT_GEMV_MAX_COPIES=" + std::string(bad)), std::string::npos)
+        << what;
+    }
+  }
+  ::setenv("REFIT_EXPERT_GEMV_MAX_COPIES", "0", 1);
+  host_memory mem;
+  auto rig = cpu_rig(mem, cfg, w, model::dtype::bfloat16, 8, 8);
+  const auto tokens = engine_prompt(9);
+  EXPECT_EQ(rig.logits(tokens, 9, 8).size(), std::size_t{9} * cfg.vocab_size);
+}

@@ -61,20 +61,20 @@ public:
   // True: the *_device collectives below work (data in the memory of the rank's device).
   virtual bool on_device() const { return false; }
   // In place: data[0..n) = sum over ranks, enqueued on `cuda_stream` (a cudaStream_t).
-  virtual void all_reduce_sum_device(std::uint32_t rank, void* data, std::size_t n,
-                                     device_dtype dt, void* cuda_stream) {
+  virtual void all_reduce_sum_device(std::uint32_t /*rank*/, void* /*data*/, std::size_t /*n*/,
+                                     device_dtype /*dt*/, void* /*cuda_stream*/) {
     throw not_on_device("all_reduce_sum_device");
   }
   // out[r*n .. (r+1)*n) = rank r's in[0..n) (out holds world_size()*n), enqueued on
   // `cuda_stream`.
-  virtual void all_gather_device(std::uint32_t rank, const void* in, std::size_t n,
-                                 device_dtype dt, void* out, void* cuda_stream) {
+  virtual void all_gather_device(std::uint32_t /*rank*/, const void* /*in*/, std::size_t /*n*/,
+                                 device_dtype /*dt*/, void* /*out*/, void* /*cuda_stream*/) {
     throw not_on_device("all_gather_device");
   }
   // Returns once everything enqueued on `cuda_stream` so far is done. Throws comm_error (and
   // aborts the group) when that takes longer than the timeout, when the group is aborted
   // meanwhile or when a collective failed. A no-op on a stream that is being captured.
-  virtual void wait_device(std::uint32_t rank, void* cuda_stream) {
+  virtual void wait_device(std::uint32_t /*rank*/, void* /*cuda_stream*/) {
     throw not_on_device("wait_device");
   }
   // Changes whenever the device communicators are re-created (after an abort): CUDA graphs
