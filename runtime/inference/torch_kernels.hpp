@@ -1,7 +1,7 @@
 // Fused CUDA kernels of the bf16 engine (torch_kernels.cu: norms, q/k, attention;
 // torch_kernels_moe.cu: the MoE; built into the LibTorch module in REFIT_CUDA builds only). Plain pointers and a cudaStream_t (as void*): no LibTorch here.
 // Every kernel replaces a chain of ATen ops of torch_fast_forward.cpp with the same arithmetic
-// (fp32 math, bf16 storage), so a decode step launches ~17 kernels per layer instead of ~100.
+// (fp32 math, bf16 storage), so a decode step launches 14 kernels per layer instead of ~100.
 //
 // bf16 engine KV layout inside one block: [layer][k|v][slot][kv head][head_dim] bf16.
 #pragma once
