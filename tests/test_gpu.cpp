@@ -7,6 +7,7 @@
 #include <cstring>
 #include <random>
 
+#include "gpu_fixture.hpp"
 #include "runtime/cuda/cuda.hpp"
 #include "runtime/model/digest.hpp"
 #include "runtime/publication/backend.hpp"
@@ -17,21 +18,7 @@
 namespace refit::testing {
 namespace {
 
-// CUDA devices this process sees; 0 when CUDA sees none (e.g. CUDA_VISIBLE_DEVICES=1,0 on a
-// one-GPU machine, where cudaGetDeviceCount fails): the test then skips instead of failing.
-int visible_gpus() {
-  try {
-    return cuda::device_count();
-  } catch (const std::exception&) {
-    return 0;
-  }
-}
-
-bool have_gpus(int n) { return visible_gpus() >= n; }
-
-#define REQUIRE_GPUS(n)                                                                      \
-  if (!have_gpus(n))                                                                         \
-  GTEST_SKIP() << "needs " << (n) << " CUDA devices, this process sees " << visible_gpus()
+using refit::testing::visible_gpus;
 
 config::refit_config gpu_config(std::vector<std::string> devices) {
   auto cfg = tiny_config(static_cast<std::uint32_t>(devices.size()));

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "engine_fixture.hpp"
+#include "gpu_fixture.hpp"
 #include "runtime/cuda/cuda.hpp"
 #include "runtime/inference/generator.hpp"
 
@@ -24,17 +25,7 @@ using refit::testing::engine_synthetic;
 using refit::testing::log_softmax_rows;
 using refit::testing::max_abs_delta;
 
-int visible_gpus() {
-  try {
-    return cuda::device_count();
-  } catch (const std::exception&) {
-    return 0;
-  }
-}
-
-#define REQUIRE_GPU()                                                                        \
-  if (visible_gpus() < 1)                                                                    \
-  GTEST_SKIP() << "needs a CUDA device"
+#define REQUIRE_GPU() REQUIRE_GPUS(1)
 
 struct device_memory {
   std::deque<cuda::device_allocation> allocations;

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "engine_fixture.hpp"
+#include "gpu_fixture.hpp"
 #include "runtime/cuda/cuda.hpp"
 #include "runtime/cuda/nccl_tp_comm.hpp"
 #include "runtime/inference/reference.hpp"
@@ -34,17 +35,7 @@ using refit::testing::engine_synthetic;
 using refit::testing::log_softmax_rows;
 using refit::testing::max_abs_delta;
 
-int visible_gpus() {
-  try {
-    return cuda::device_count();
-  } catch (const std::exception&) {
-    return 0;
-  }
-}
-
-#define REQUIRE_TWO_GPUS()                                                                   \
-  if (visible_gpus() < 2)                                                                    \
-  GTEST_SKIP() << "needs two CUDA devices"
+#define REQUIRE_TWO_GPUS() REQUIRE_GPUS(2)
 
 // Runs body(rank) on one thread per rank; returns each rank's exception text ("" if none).
 std::vector<std::string> on_ranks(std::uint32_t world,
