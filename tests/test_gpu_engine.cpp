@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "engine_fixture.hpp"
+#include "gpu_engine_fixture.hpp"
 #include "gpu_fixture.hpp"
 #include "runtime/cuda/cuda.hpp"
 #include "runtime/inference/generator.hpp"
@@ -22,32 +23,12 @@ namespace cuda = refit::cuda;
 using refit::testing::engine_prompt;
 using refit::testing::engine_rig;
 using refit::testing::engine_synthetic;
+using refit::testing::gpu_memory;
+using refit::testing::gpu_rig;
 using refit::testing::log_softmax_rows;
 using refit::testing::max_abs_delta;
 
 #define REQUIRE_GPU() REQUIRE_GPUS(1)
-
-struct device_memory {
-  std::deque<cuda::device_allocation> allocations;
-  const std::byte* place(const std::vector<std::byte>& b) {
-    allocations.emplace_back(0, b.size(), "resident");
-    cuda::copy_to_device(0, allocations.back().data(), b.data(), b.size());
-    return allocations.back().data();
-  }
-  std::byte* alloc(std::size_t n) {
-    allocations.emplace_back(0, n, "KV arena");
-    return allocations.back().data();
-  }
-};
-
-engine_rig gpu_rig(device_memory& mem, const model::model_config& cfg,
-                   const refit::testing::engine_weights& w, model::dtype dt,
-                   std::uint32_t block_size, std::uint32_t blocks, bool graphs = true,
-                   bool fused = true) {
-  return engine_rig(cfg, w, dt, block_size, blocks, 0,
-                    [&](const std::vector<std::byte>& b) { return mem.place(b); },
-                    [&](std::size_t n) { return mem.alloc(n); }, graphs, fused);
-}
 
 // The fused kernels (head_dim 64 reaches every one of them) against the ATen chains and the
 // fp32 reference, over a prefill and 30 decode steps crossing block boundaries.
@@ -56,7 +37,7 @@ TEST(GpuEngine, FusedKernelsComputeWhatTheAtenPathComputes) {
   const auto cfg = refit::testing::small_model();
   const auto w = engine_synthetic(cfg);
   const auto tokens = engine_prompt(41, 2, 512);
-  device_memory mem;
+  gpu_memory mem;
   auto fused = gpu_rig(mem, cfg, w, model::dtype::bfloat16, 8, 8, true, true);
   auto aten = gpu_rig(mem, cfg, w, model::dtype::bfloat16, 8, 8, true, false);
   const auto a = log_softmax_rows(fused.logits(tokens, 11, 8), cfg.vocab_size);
@@ -86,7 +67,7 @@ TEST(GpuEngine, Bf16LogitsTrackTheFp32ReferenceAndTheCpuEngine) {
   const auto cfg = refit::testing::tiny_model();
   const auto w = engine_synthetic(cfg);
   const auto tokens = engine_prompt(37);
-  device_memory mem;
+  gpu_memory mem;
   auto rig = gpu_rig(mem, cfg, w, model::dtype::bfloat16, 8, 8);
   const auto gpu = log_softmax_rows(rig.logits(tokens, 13, 8), cfg.vocab_size);
   const auto residents = inf::scatter_residents(cfg, 1, 0, w.params, w.pointers());
@@ -108,7 +89,7 @@ TEST(GpuEngine, PagedAttentionAcrossBlockBoundaries) {
   const auto cfg = refit::testing::tiny_model();
   const auto w = engine_synthetic(cfg);
   const auto tokens = engine_prompt(29, 3);
-  device_memory mem;
+  gpu_memory mem;
   auto rig = gpu_rig(mem, cfg, w, model::dtype::bfloat16, 4, 32);
   EXPECT_EQ(rig.logits_over({0, 1, 2, 3, 4, 5, 6, 7}, tokens, 10),
             rig.logits_over({31, 5, 17, 2, 29, 11, 23, 8}, tokens, 10));
@@ -156,7 +137,7 @@ TEST(GpuEngine, CudaGraphReplayEqualsEagerAndIsDeterministic) {
   REQUIRE_GPU();
   const auto cfg = refit::testing::tiny_model();
   const auto w = engine_synthetic(cfg);
-  device_memory mem;
+  gpu_memory mem;
   auto graphed = gpu_rig(mem, cfg, w, model::dtype::bfloat16, 8, 64, true);
   auto eager = gpu_rig(mem, cfg, w, model::dtype::bfloat16, 8, 64, false);
   decode_fixture g(graphed), e(eager);
@@ -195,7 +176,7 @@ TEST(GpuEngine, GenerationWithContinuousBatchingIsBitwiseDeterministic) {
   const auto w = engine_synthetic(cfg);
   const auto layout = std::make_shared<const model::tp_layout>(cfg, 1);
   const auto host = inf::scatter_residents(cfg, 1, 0, w.params, w.pointers());
-  device_memory mem;
+  gpu_memory mem;
   std::vector<const std::byte*> residents;
   for (const auto& r : host.storage)
     residents.push_back(mem.place(r));

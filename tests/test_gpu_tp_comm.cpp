@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "engine_fixture.hpp"
+#include "gpu_engine_fixture.hpp"
 #include "gpu_fixture.hpp"
 #include "runtime/cuda/cuda.hpp"
 #include "runtime/cuda/nccl_tp_comm.hpp"
@@ -32,6 +33,8 @@ using namespace std::chrono_literals;
 using refit::testing::engine_prompt;
 using refit::testing::engine_rig;
 using refit::testing::engine_synthetic;
+using refit::testing::gpu_memory;
+using refit::testing::gpu_rig;
 using refit::testing::log_softmax_rows;
 using refit::testing::max_abs_delta;
 
@@ -217,20 +220,6 @@ TEST(NcclTpComm, AMissingPeerTimesOutAndAbortsTheGroup) {
 // ------------------------------------------------------------------ the bf16 engine at TP 2
 
 // Device memory of one GPU (residents and KV arena), freed with the rig.
-struct gpu_memory {
-  int dev = 0;
-  std::deque<cuda::device_allocation> allocations;
-  const std::byte* place(const std::vector<std::byte>& b) {
-    allocations.emplace_back(dev, b.size(), "resident");
-    cuda::copy_to_device(dev, allocations.back().data(), b.data(), b.size());
-    return allocations.back().data();
-  }
-  std::byte* alloc(std::size_t n) {
-    allocations.emplace_back(dev, n, "KV arena");
-    return allocations.back().data();
-  }
-};
-
 // One bf16 rank_forward per rank (rank r on cuda:r) over the NCCL comm; every call runs on
 // both ranks at once.
 struct tp2_rig {
@@ -331,14 +320,6 @@ struct decode_run {
   }
 };
 
-engine_rig tp1_rig(gpu_memory& mem, const model::model_config& cfg,
-                   const refit::testing::engine_weights& w, std::uint32_t block_size,
-                   std::uint32_t blocks, bool graphs) {
-  return engine_rig(cfg, w, model::dtype::bfloat16, block_size, blocks, 0,
-                    [&](const std::vector<std::byte>& b) { return mem.place(b); },
-                    [&](std::size_t n) { return mem.alloc(n); }, graphs, true);
-}
-
 // Prefill + decode logits at TP 2 (NCCL on the device) track TP 1 within the bf16 engine's
 // tolerance against the fp32 reference (test_gpu_engine), and both ranks agree bitwise.
 TEST(NcclTpEngine, Tp2LogitsTrackTp1AndTheFp32Reference) {
@@ -348,7 +329,7 @@ TEST(NcclTpEngine, Tp2LogitsTrackTp1AndTheFp32Reference) {
   const auto tokens = engine_prompt(37, 4, 512);
   auto comm = cuda::make_nccl_tp_comm({0, 1}, 60000ms);
   gpu_memory mem1;
-  auto one = tp1_rig(mem1, cfg, w, 8, 8, true);
+  auto one = gpu_rig(mem1, cfg, w, model::dtype::bfloat16, 8, 8, true);
   tp2_rig two(cfg, w, *comm, 8, 8, true);
   const auto a = log_softmax_rows(one.logits(tokens, 13, 8), cfg.vocab_size);
   const auto b = log_softmax_rows(two.logits(tokens, 13, 8), cfg.vocab_size);
@@ -379,7 +360,7 @@ TEST(NcclTpEngine, Tp2DecodeReplaysCudaGraphsAndSamplesWhatTp1Samples) {
   const auto w = engine_synthetic(cfg);
   auto comm = cuda::make_nccl_tp_comm({0, 1}, 60000ms);
   gpu_memory mem1;
-  auto one = tp1_rig(mem1, cfg, w, 8, 64, true);
+  auto one = gpu_rig(mem1, cfg, w, model::dtype::bfloat16, 8, 64, true);
   tp2_rig two(cfg, w, *comm, 8, 64, true);
   const decode_run fixture;
   for (float temperature : {0.0f, 1.0f}) {
