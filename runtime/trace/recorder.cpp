@@ -109,52 +109,42 @@ void ingest(std::vector<event> events, std::uint64_t dropped_elsewhere) {
   }
 }
 
+namespace {
+
+// Records one event; out of memory while tracing, the event is lost and the traced work is not
+// disturbed.
+void record(phase ph, track where, std::string_view name, std::int64_t ts_ns,
+            std::int64_t dur_ns, std::initializer_list<arg_view> args) noexcept {
+  try {
+    event e;
+    e.ph = ph;
+    e.name = std::string(name);
+    e.ts_ns = ts_ns;
+    e.dur_ns = dur_ns;
+    e.where = where;
+    add_args(e, args);
+    global().add(std::move(e));
+  } catch (...) {
+  }
+}
+
+} // namespace
+
 void complete(track where, std::string_view name, std::int64_t start_ns,
               std::initializer_list<arg_view> args) noexcept {
   if (start_ns == 0 || !enabled())
     return;
-  try {
-    event e;
-    e.ph = phase::complete;
-    e.name = std::string(name);
-    e.ts_ns = start_ns;
-    e.dur_ns = now_ns() - start_ns;
-    e.where = where;
-    add_args(e, args);
-    global().add(std::move(e));
-  } catch (...) {
-    // Out of memory while tracing: the event is lost, the traced work is not disturbed.
-  }
+  record(phase::complete, where, name, start_ns, now_ns() - start_ns, args);
 }
 
 void instant(track where, std::string_view name, std::initializer_list<arg_view> args) noexcept {
-  if (!enabled())
-    return;
-  try {
-    event e;
-    e.ph = phase::instant;
-    e.name = std::string(name);
-    e.ts_ns = now_ns();
-    e.where = where;
-    add_args(e, args);
-    global().add(std::move(e));
-  } catch (...) {
-  }
+  if (enabled())
+    record(phase::instant, where, name, now_ns(), 0, args);
 }
 
 void counter(track where, std::string_view name, std::initializer_list<arg_view> args) noexcept {
-  if (!enabled())
-    return;
-  try {
-    event e;
-    e.ph = phase::counter;
-    e.name = std::string(name);
-    e.ts_ns = now_ns();
-    e.where = where;
-    add_args(e, args);
-    global().add(std::move(e));
-  } catch (...) {
-  }
+  if (enabled())
+    record(phase::counter, where, name, now_ns(), 0, args);
 }
 
 void set_thread_track(track t) noexcept {
