@@ -258,18 +258,8 @@ at::Tensor fast_rank_forward::experts(const layer_tensors& w, const at::Tensor& 
   const at::Tensor router_logits = at::matmul(h, w.router.t()); // bf16 [n, E]
   at::Tensor weights; // fp32 [n, k]
   at::Tensor chosen;  // int64 [n * k]
-  [[maybe_unused]] const std::int64_t copies = n * top_k_;
-  at::Tensor counts, offsets, order, src_token, inverse;
-  [[maybe_unused]] const auto sort_outputs = [&] {
-    counts = at::empty({experts_}, i64_);
-    offsets = at::empty({experts_}, i64_.dtype(at::kInt));
-    order = at::empty({copies}, i64_);
-    src_token = at::empty({copies}, i64_);
-    inverse = at::empty({copies}, i64_);
-  };
 #if defined(REFIT_TORCH_CUDA)
-  if (!chosen.defined() && fused_
-      && kernels::route_supported(static_cast<int>(experts_), static_cast<int>(top_k_))) {
+  if (fused_ && kernels::route_supported(static_cast<int>(experts_), static_cast<int>(top_k_))) {
     at::Tensor ids = at::empty({n, top_k_}, i64_);
     weights = at::empty({n, top_k_}, f32_);
     kernels::route(router_logits.data_ptr(), static_cast<int>(n), static_cast<int>(experts_),
@@ -286,10 +276,15 @@ at::Tensor fast_rank_forward::experts(const layer_tensors& w, const at::Tensor& 
     if (cfg_.norm_topk_prob)
       weights = weights / weights.sum(-1, /*keepdim=*/true);
   }
+  [[maybe_unused]] const std::int64_t copies = n * top_k_;
+  at::Tensor counts, offsets, order, src_token, inverse;
 #if defined(REFIT_TORCH_CUDA)
-  if (!order.defined() && fused_
-      && kernels::bucket_supported(static_cast<int>(copies), static_cast<int>(experts_))) {
-    sort_outputs();
+  if (fused_ && kernels::bucket_supported(static_cast<int>(copies), static_cast<int>(experts_))) {
+    counts = at::empty({experts_}, i64_);
+    offsets = at::empty({experts_}, i64_.dtype(at::kInt));
+    order = at::empty({copies}, i64_);
+    src_token = at::empty({copies}, i64_);
+    inverse = at::empty({copies}, i64_);
     kernels::bucket(chosen.data_ptr<std::int64_t>(), static_cast<int>(copies),
                     static_cast<int>(top_k_), static_cast<int>(experts_),
                     counts.data_ptr<std::int64_t>(), offsets.data_ptr<int>(),
@@ -325,7 +320,6 @@ at::Tensor fast_rank_forward::experts(const layer_tensors& w, const at::Tensor& 
     a.offsets = offsets.data_ptr<int>();
     a.y = out.data_ptr();
     a.copies = static_cast<int>(copies);
-    a.experts = static_cast<int>(experts_);
     a.n = static_cast<int>(weight.size(1));
     a.k = static_cast<int>(weight.size(2));
     kernels::expert_gemv(a, stream());

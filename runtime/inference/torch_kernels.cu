@@ -125,7 +125,7 @@ template <int D, int G, int NW>
 __global__ void __launch_bounds__(NW * 32)
   decode_attention_kernel(const bf16* __restrict__ q, kv_target kv, const i64* __restrict__ table,
                           int width, const i64* __restrict__ lengths, bf16* __restrict__ out,
-                          int hq, int hkv, int group, float scale) {
+                          int hq, int hkv, float scale) {
   constexpr int DPL = D / 32; // head dims per lane in P.V
   constexpr int TILE = 32;
   constexpr int P1 = NW * TILE * D * 2 + (G * D + NW * G * TILE) * 4; // V tiles, q, p
@@ -136,11 +136,11 @@ __global__ void __launch_bounds__(NW * 32)
   float* qs = reinterpret_cast<float*>(smem + NW * TILE * D * 2);
   float* ps = qs + G * D;
   const int b = blockIdx.x;
-  const int q0 = blockIdx.y * G; // this block's first query head
-  const int h = q0 / group;      // their KV head
+  const int h = blockIdx.y;     // the KV head
+  const int head0 = h * G;      // its first query head
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  const bf16* qg = q + (static_cast<i64>(b) * hq + q0) * D;
+  const bf16* qg = q + (static_cast<i64>(b) * hq + head0) * D;
   for (int i = threadIdx.x; i < G * D; i += blockDim.x)
     qs[i] = to_f(qg[i]) * scale;
   __syncthreads();
@@ -260,7 +260,7 @@ __global__ void __launch_bounds__(NW * 32)
       total += sl[w * G + g] * f;
       value += sacc[(w * G + g) * D + c] * f;
     }
-    out[(static_cast<i64>(b) * hq + q0 + g) * D + c] = to_bf(value / total);
+    out[(static_cast<i64>(b) * hq + head0 + g) * D + c] = to_bf(value / total);
   }
 }
 
@@ -269,9 +269,9 @@ void launch_attention(const void* q, kv_target kv, const i64* table, int width, 
                       void* out, int b, int hq, int hkv, cudaStream_t s) {
   constexpr int NW = 4;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  decode_attention_kernel<D, G, NW><<<dim3(b, hq / G), NW * 32, 0, s>>>(
+  decode_attention_kernel<D, G, NW><<<dim3(b, hkv), NW * 32, 0, s>>>(
     static_cast<const bf16*>(q), kv, table, width, lengths, static_cast<bf16*>(out), hq, hkv,
-    hq / hkv, scale);
+    scale);
 }
 
 template <int D>

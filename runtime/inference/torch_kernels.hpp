@@ -72,7 +72,6 @@ struct gemv_args {
   const int* offsets = nullptr;
   void* y = nullptr;
   int copies = 0;
-  int experts = 0;
   int n = 0;
   int k = 0;
 };
