@@ -48,13 +48,14 @@ inline model::model_config small_model() {
   return c;
 }
 
-inline engine_weights engine_synthetic(const model::model_config& cfg, std::uint64_t step = 0) {
+inline engine_weights engine_synthetic(const model::model_config& cfg, std::uint64_t step = 0,
+                                       std::uint64_t seed = 11) {
   engine_weights w;
   w.params = model::expected_key_stream(cfg);
   model::synthetic_weights s;
-  s.seed = 11;
+  s.seed = seed;
   s.init_scale = 0.1f;
-  s.lr = 0.05f;
+  s.lr = 0.05f; // one step moves the weights visibly
   for (const auto& p : w.params) {
     std::vector<std::byte> b(p.nbytes());
     model::fill_synthetic(p, s, step, 0, p.numel(), b.data());

@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "engine_fixture.hpp"
 #include "model_configs.hpp"
 #include "runtime/inference/forward.hpp"
 #include "runtime/inference/generator.hpp"
@@ -379,16 +380,8 @@ model::model_config tiny_config(std::uint32_t vocab = 256, bool tied = false) {
 }
 
 // Full canonical bf16 tensors of a synthetic optimizer step (init scale 0.1, so attention,
-// routing and experts all move the logits noticeably).
-struct canonical {
-  std::vector<model::param_meta> params;
-  std::vector<std::vector<std::byte>> bytes;
-  std::vector<const std::byte*> pointers() const {
-    std::vector<const std::byte*> out;
-    for (const auto& b : bytes)
-      out.push_back(b.data());
-    return out;
-  }
+// routing and experts all move the logits noticeably), readable as floats.
+struct canonical : refit::testing::engine_weights {
   std::vector<float> floats(const std::string& name) const {
     for (std::size_t i = 0; i < params.size(); ++i)
       if (params[i].name == name) {
@@ -406,16 +399,7 @@ struct canonical {
 
 canonical synthetic(const model::model_config& cfg, std::uint64_t step, std::uint64_t seed = 11) {
   canonical w;
-  w.params = model::expected_key_stream(cfg);
-  model::synthetic_weights s;
-  s.seed = seed;
-  s.init_scale = 0.1f;
-  s.lr = 0.05f; // one step moves the weights visibly
-  for (const auto& p : w.params) {
-    std::vector<std::byte> b(p.nbytes());
-    model::fill_synthetic(p, s, step, 0, p.numel(), b.data());
-    w.bytes.push_back(std::move(b));
-  }
+  static_cast<refit::testing::engine_weights&>(w) = refit::testing::engine_synthetic(cfg, step, seed);
   return w;
 }
 
