@@ -395,6 +395,19 @@ void load_chunks(self_ptr self, std::shared_ptr<publication_ctx> ctx) {
   pump(self, ctx);
 }
 
+// start_weight_update, then the chunks (both modes, once the runtime is initialized).
+void start_and_load(self_ptr self, std::shared_ptr<publication_ctx> ctx) {
+  auto& st = self->state;
+  self->request(st.engine, engine_timeout(st, st.opts.timeouts_ms.start_weight_update),
+                start_upd_atom::value, ctx->header)
+    .then(guarded<engine_status>(self, ctx,
+                                 [self, ctx](engine_status&) {
+                                   enter(self, publication_state::started);
+                                   load_chunks(self, ctx);
+                                 }),
+          on_error(self, ctx));
+}
+
 void start_update(self_ptr self, std::shared_ptr<publication_ctx> ctx) {
   auto& st = self->state;
   const auto& pc = st.opts.publication;
@@ -402,17 +415,8 @@ void start_update(self_ptr self, std::shared_ptr<publication_ctx> ctx) {
                 init_wt_atom::value, transfer_init{pc.transport, pc.buffer_bytes, pc.buffer_count})
     .then(guarded<engine_status>(self, ctx,
                   [self, ctx](engine_status&) {
-                    auto& st = self->state;
                     enter(self, publication_state::initialized);
-                    self->request(st.engine,
-                                  engine_timeout(st, st.opts.timeouts_ms.start_weight_update),
-                                  start_upd_atom::value, ctx->header)
-                      .then(guarded<engine_status>(self, ctx,
-                                    [self, ctx](engine_status&) {
-                                      enter(self, publication_state::started);
-                                      load_chunks(self, ctx);
-                                    }),
-                            on_error(self, ctx));
+                    start_and_load(self, ctx);
                   }),
           on_error(self, ctx));
 }
@@ -455,18 +459,7 @@ void init_direct(self_ptr self, std::shared_ptr<publication_ctx> ctx, publicatio
               }
               spec.runtime_pid = d.pid;
               phase(self, ctx, phase_kind::prepare, 0,
-                    [self, ctx](std::vector<rank_report>&) {
-                      auto& st = self->state;
-                      self->request(st.engine,
-                                    engine_timeout(st, st.opts.timeouts_ms.start_weight_update),
-                                    start_upd_atom::value, ctx->header)
-                        .then(guarded<engine_status>(self, ctx,
-                                                     [self, ctx](engine_status&) {
-                                                       enter(self, publication_state::started);
-                                                       load_chunks(self, ctx);
-                                                     }),
-                              on_error(self, ctx));
-                    },
+                    [self, ctx](std::vector<rank_report>&) { start_and_load(self, ctx); },
                     prepare_atom::value, spec);
             }),
             on_error(self, ctx));
