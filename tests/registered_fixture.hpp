@@ -9,7 +9,11 @@
 #include <string>
 #include <vector>
 
+#include "actors/trainer_rank.hpp"
+#include "runtime/config/config.hpp"
 #include "runtime/model/synthetic.hpp"
+#include "runtime/publication/backend.hpp"
+#include "runtime/publication/collective_registry.hpp"
 #include "runtime/publication/registered.hpp"
 #include "runtime/publication/shard.hpp"
 
@@ -132,6 +136,25 @@ inline std::shared_ptr<publication::registered_weights> register_all(
     reg->add(r);
   reg->seal();
   return reg;
+}
+
+// Trainer rank r of a recipe publishing the registered tensors `reg` (its collective timeout
+// 9/10 of the gate deadline, so a missing peer is the rank's error before the gate's).
+inline trainer_rank_options registered_rank_options(
+  const config::refit_config& cfg, std::uint32_t r, const device::spec& dev,
+  std::shared_ptr<publication::registered_weights> reg,
+  std::shared_ptr<publication::collective_registry> collectives, consensus_gate_actor gate) {
+  trainer_rank_options o;
+  o.rank = r;
+  o.world = cfg.runtime.tp_size;
+  o.device = cfg.runtime.devices[r];
+  o.device_uuid = publication::device_uuid(dev);
+  o.model = cfg.model;
+  o.registered = std::move(reg);
+  o.collectives = std::move(collectives);
+  o.gate = std::move(gate);
+  o.collective_timeout_ms = cfg.publication.gate_deadline_ms * 9 / 10;
+  return o;
 }
 
 } // namespace refit::testing

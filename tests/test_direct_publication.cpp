@@ -78,16 +78,7 @@ protected:
         reg->add(t);
       }
       reg->seal();
-      trainer_rank_options o;
-      o.rank = r;
-      o.world = tp;
-      o.device = cfg.runtime.devices[r];
-      o.device_uuid = publication::device_uuid(devices[r]);
-      o.model = cfg.model;
-      o.registered = reg;
-      o.collectives = collectives;
-      o.gate = gate;
-      o.collective_timeout_ms = cfg.publication.gate_deadline_ms * 9 / 10;
+      auto o = registered_rank_options(cfg, r, devices[r], reg, collectives, gate);
       ranks.push_back(sys->spawn(trainer_rank, std::move(o)));
     }
     pub = spawn_coordinator(*sys, cfg, rollout.engine, gate, std::move(ranks), rollout.journal);
@@ -160,10 +151,12 @@ TEST_F(DirectPublication, ThePlanMovesLocallyWhatLinesUpAndCrossesTheRest) {
         (m.tp_rank == r ? local : cross) += m.bytes();
     }
     EXPECT_EQ(local + cross, publication::placed_bytes(layout, p)) << p.name;
-    if (p.name.find("q_proj") != std::string::npos)
+    if (p.name.find("q_proj") != std::string::npos) {
       EXPECT_EQ(cross, 0u) << p.name;
-    if (p.name.find("o_proj") != std::string::npos || p.name == "model.norm.weight")
+    }
+    if (p.name.find("o_proj") != std::string::npos || p.name == "model.norm.weight") {
       EXPECT_GT(cross, 0u) << p.name;
+    }
   }
 }
 

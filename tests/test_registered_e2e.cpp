@@ -45,16 +45,7 @@ protected:
       for (const auto& t : memory.back()->regs)
         reg->add(t);
       reg->seal();
-      trainer_rank_options o;
-      o.rank = r;
-      o.world = tp;
-      o.device = cfg.runtime.devices[r];
-      o.device_uuid = publication::device_uuid(devices[r]);
-      o.model = cfg.model;
-      o.registered = reg;
-      o.collectives = collectives;
-      o.gate = gate;
-      o.collective_timeout_ms = cfg.publication.gate_deadline_ms * 9 / 10;
+      auto o = registered_rank_options(cfg, r, devices[r], reg, collectives, gate);
       for (const auto& f : faults)
         if (f.rank == r)
           o.faults.push_back(f);
