@@ -1,4 +1,5 @@
 #include "actors/rank_registry.hpp"
+#include "actors/rank_registry_parts.hpp"
 
 #include <algorithm>
 #include <optional>
@@ -11,18 +12,8 @@
 
 namespace refit {
 
-using self_ptr = rank_registry_impl::stateful_pointer<rank_registry_state>;
+using self_ptr = rank_registry_self;
 using clock_type = std::chrono::steady_clock;
-
-// A trainer's generate / sleep / wake (rank_registry_rollout.cpp).
-caf::result<generate_result> registry_generate(self_ptr self, rollout_generate& req);
-caf::result<engine_status> registry_sleep(self_ptr self, const rollout_sleep& req);
-caf::result<engine_status> registry_wake(self_ptr self, const rollout_wake& req);
-// A trainer process's NCCL communicator id (rank_registry_collective.cpp).
-caf::result<std::string> registry_collective_id(self_ptr self, const std::string& token,
-                                                std::uint32_t rank,
-                                                const std::string& publication_id,
-                                                const std::string& offered);
 
 namespace {
 
@@ -58,7 +49,6 @@ caf::error refuse(self_ptr self, errc code, const std::string& where, const std:
 
 } // namespace
 
-// For rank_registry_rollout.cpp.
 caf::error registry_refuse(self_ptr self, errc code, const std::string& where,
                            const std::string& what, const std::string& log_what) {
   return refuse(self, code, where, what, log_what);

@@ -4,18 +4,14 @@
 // it as soon as rank 0's offer arrived. The registry only relays strings: it never calls NCCL.
 // Waits are bounded by each asker's own request timeout (the collective's deadline); entries
 // of old publications are dropped beyond `kept`, their waiters answered with an error.
-#include "actors/rank_registry.hpp"
+#include "actors/rank_registry_parts.hpp"
 
 #include <caf/stateful_actor.hpp>
 #include <caf/typed_event_based_actor.hpp>
 
 namespace refit {
 
-using self_ptr = rank_registry_impl::stateful_pointer<rank_registry_state>;
-
-caf::error registry_refuse(self_ptr self, errc code, const std::string& where,
-                           const std::string& what, const std::string& log_what);
-bool registry_token_ok(const rank_registry_state& st, const std::string& given);
+using self_ptr = rank_registry_self;
 
 namespace {
 

@@ -1,6 +1,6 @@
 // RankRegistry: a trainer process's generate / sleep / wake (rank_registry.hpp), forwarded to
 // the RolloutEngine after the shared secret and the open-publication check.
-#include "actors/rank_registry.hpp"
+#include "actors/rank_registry_parts.hpp"
 
 #include <optional>
 
@@ -9,11 +9,7 @@
 
 namespace refit {
 
-using self_ptr = rank_registry_impl::stateful_pointer<rank_registry_state>;
-
-caf::error registry_refuse(self_ptr self, errc code, const std::string& where,
-                           const std::string& what, const std::string& log_what);
-bool registry_token_ok(const rank_registry_state& st, const std::string& given);
+using self_ptr = rank_registry_self;
 
 namespace {
 
