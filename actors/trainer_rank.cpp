@@ -1,4 +1,5 @@
 #include "actors/trainer_rank.hpp"
+#include "actors/trainer_rank_parts.hpp"
 
 #include <unistd.h>
 
@@ -31,15 +32,56 @@ rank_info trainer_rank_state::info(std::uint64_t free_bytes) const {
   return out;
 }
 
-namespace {
+namespace trainer_rank_parts {
 
-// The test-only fault of `kind` armed for this publication, if any.
 const config::trainer_fault* find_fault(const rank_session& s, const std::string& kind) {
   for (const auto& f : s.faults)
     if (f.kind == kind)
       return &f;
   return nullptr;
 }
+
+rank_report failed(rank_report r, std::string error) {
+  r.ok = false;
+  r.error = std::move(error);
+  return r;
+}
+
+emitted_tensor emitted_at(const source_view& shards, const rank_session& s, std::size_t pos) {
+  emitted_tensor out;
+  const auto& meta = shards.params()[s.stream[pos]];
+  const auto* wrong_shape = find_fault(s, "wrong_shape");
+  if (wrong_shape && wrong_shape->tensor == meta.name && !meta.shape.empty()) {
+    out.bent = meta;
+    out.bent.shape[0] += 1;
+  } else {
+    out.meta = &meta;
+  }
+  return out;
+}
+
+std::string shape_string(const std::vector<std::int64_t>& shape) {
+  std::string out = "[";
+  for (std::size_t i = 0; i < shape.size(); ++i)
+    out += (i ? ", " : "") + std::to_string(shape[i]);
+  return out + "]";
+}
+
+std::string emission_error(const model::param_meta& emitted, const model::param_meta& planned) {
+  if (emitted.name != planned.name)
+    return "emitted " + emitted.name + " where the plan expects " + planned.name;
+  if (emitted.shape != planned.shape || emitted.dt != planned.dt)
+    return planned.name + ": emitted shape " + shape_string(emitted.shape) + " "
+           + model::dtype_name(emitted.dt) + ", the plan expects " + shape_string(planned.shape)
+           + " " + model::dtype_name(planned.dt);
+  return {};
+}
+
+} // namespace trainer_rank_parts
+
+namespace {
+
+using namespace trainer_rank_parts;
 
 rank_report make_report(const trainer_rank_state& st, const std::string& pub, phase_kind kind,
                         std::uint32_t chunk) {
@@ -50,50 +92,9 @@ rank_report make_report(const trainer_rank_state& st, const std::string& pub, ph
   return r;
 }
 
-rank_report failed(rank_report r, std::string error) {
-  r.ok = false;
-  r.error = std::move(error);
-  return r;
-}
-
-// The rank's weight source: the synthetic shard store or the registered tensors.
-struct source_view {
-  const publication::shard_store* shards = nullptr;
-  const publication::registered_weights* registered = nullptr;
-
-  bool ready() const { return registered != nullptr || shards->ready(); }
-  const std::vector<model::param_meta>& params() const {
-    return registered ? registered->params() : shards->params();
-  }
-  const device::spec& device() const { return registered ? registered->device() : shards->device(); }
-  publication::gather_item item(std::size_t i, std::byte* out) const {
-    if (registered)
-      return registered->item(i, out);
-    return {shards->data(i), shards->spec(i).padded_bytes(), out, {}};
-  }
-  // Direct mode: the canonical bytes of tensor i this rank owns and where they are (its
-  // FSDP2 chunk; a replicated tensor's own chunk; the experts of a fused parameter it holds).
-  std::pair<const std::byte*, publication::owned_piece> owned(std::size_t i,
-                                                              std::uint32_t rank) const {
-    if (registered) {
-      auto it = registered->item(i, nullptr);
-      return {it.shard, {publication::piece_offset(it, rank), it.shard_bytes}};
-    }
-    const auto& spec = shards->spec(i);
-    return {shards->data(i), {spec.row_begin * spec.row_bytes, spec.real_bytes()}};
-  }
-};
-
 source_view view_of(const trainer_rank_options& o,
                     const std::shared_ptr<publication::shard_store>& shards) {
   return {shards.get(), o.registered.get()};
-}
-
-std::string shape_string(const std::vector<std::int64_t>& shape) {
-  std::string out = "[";
-  for (std::size_t i = 0; i < shape.size(); ++i)
-    out += (i ? ", " : "") + std::to_string(shape[i]);
-  return out + "]";
 }
 
 // Worker-thread side of `prepare`: independent re-planning and buffer allocation.
@@ -124,28 +125,13 @@ rank_report run_prepare(const trainer_rank_options& o, const source_view& shards
     for (std::size_t i = 0; i < shards.params().size(); ++i)
       if (!drop || shards.params()[i].name != drop->tensor)
         s.stream.push_back(i);
+    s.manifest = std::make_unique<model::manifest_stream>(s.spec.tensor_count);
     if (s.spec.mode == "direct") {
-      // Direct mode: no packed buffers; every TP worker's resident arena, opened once.
-      if (s.spec.targets.size() != s.spec.tp)
-        return failed(r, std::to_string(s.spec.targets.size()) + " resident arenas for TP "
-                           + std::to_string(s.spec.tp));
-      s.layout = std::make_shared<model::tp_layout>(o.model, s.spec.tp);
-      s.offsets = publication::resident_offsets(*s.layout);
-      const auto arena = publication::resident_arena_bytes(*s.layout);
-      for (std::uint32_t t = 0; t < s.spec.tp; ++t) {
-        const auto& h = s.spec.targets[t];
-        if (h.buffer_index != t || h.size != arena)
-          return failed(r, "resident arena " + std::to_string(t) + " is announced as TP rank "
-                             + std::to_string(h.buffer_index) + " with " + std::to_string(h.size)
-                             + " bytes; the layout has " + std::to_string(arena) + " bytes");
-        try {
-          s.targets.push_back(publication::open_resident_target(
-            shards.device(), h.handle, h.size, static_cast<int>(s.spec.runtime_pid)));
-        } catch (const std::exception& e) {
-          return failed(r, "resident arena of TP worker " + std::to_string(t) + ": " + e.what());
-        }
-      }
-      s.writer = publication::make_direct_writer(shards.device());
+      // Direct mode: no packed buffers; every TP worker's resident arena, opened once, and
+      // every chunk's moves planned.
+      r = prepare_direct(o, shards, s, std::move(r));
+      if (!r.ok)
+        return r;
     } else {
       s.pool = publication::make_buffer_pool(shards.device(), s.spec.buffer_count,
                                              s.spec.buffer_bytes);
@@ -160,45 +146,11 @@ rank_report run_prepare(const trainer_rank_options& o, const source_view& shards
   }
 }
 
-// Direct mode: this rank's moves of chunk k, each from its own memory straight into the TP
-// worker's resident arena (a byte crosses devices only when that worker is not on this rank's
-// device). Bounds are checked before anything is written.
-rank_report write_direct(const trainer_rank_options& o, rank_session& s, std::uint32_t k,
-                         const std::vector<std::pair<const std::byte*, publication::direct_move>>& moves,
-                         rank_report r) {
-  std::size_t limit = moves.size();
-  const auto* fail_copy = find_fault(s, "fail_copy");
-  if (fail_copy && fail_copy->chunk == k)
-    limit = moves.size() / 2; // test-only: half of the chunk lands, then the write fails
-  try {
-    for (const auto& [src, m] : moves) {
-      const auto& target = *s.targets.at(m.tp_rank);
-      const std::uint64_t last = m.rows == 0 ? 0 : (m.rows - 1) * m.dst_stride + m.row_bytes;
-      if (m.dst_offset > target.size() || last > target.size() - m.dst_offset)
-        return failed(r, "a direct move of chunk " + std::to_string(k) + " ends past the "
-                           + std::to_string(target.size()) + "-byte resident arena of TP worker "
-                           + std::to_string(m.tp_rank));
-    }
-    for (std::size_t i = 0; i < limit; ++i) {
-      const auto& [src, m] = moves[i];
-      s.writer->add(s.targets[m.tp_rank]->data() + m.dst_offset, m.dst_stride, src + m.src_offset,
-                    m.src_stride, m.row_bytes, m.rows);
-      (m.tp_rank == o.rank ? r.moved_local : r.moved_cross) += m.bytes();
-    }
-    s.writer->finish();
-  } catch (const std::exception& e) {
-    return failed(r, "direct write of chunk " + std::to_string(k) + ": " + e.what());
-  }
-  if (limit != moves.size())
-    return failed(r, "injected copy failure after " + std::to_string(limit) + " of "
-                       + std::to_string(moves.size()) + " direct moves of chunk "
-                       + std::to_string(k));
-  return r;
-}
-
-// Worker-thread side of `materialize`: emit the chunk's tensors, check each against the plan
-// before entering the collective (a failing rank must not strand the others inside it), then
-// one grouped all-gather straight into the packed buffer.
+// Worker-thread side of `materialize`: every emitted tensor of the chunk checked against the
+// plan before anything is written (a failing rank must not strand the others inside the
+// collective); then, packed, one grouped all-gather straight into the packed buffer, or,
+// direct, the chunk's planned copies started, the chunk's metadata recorded while they run,
+// and their completion awaited.
 rank_report run_materialize(const trainer_rank_options& o, const std::string& uuid,
                             const source_view& shards, rank_session& s,
                             std::uint32_t k, rank_report r) {
@@ -209,45 +161,53 @@ rank_report run_materialize(const trainer_rank_options& o, const std::string& uu
   if (const auto* f = find_fault(s, "fail_materialize"); f && f->chunk == k)
     return failed(r, "injected materialization failure at chunk " + std::to_string(k));
   const auto& chunk = s.plan.chunks[k];
+  for (std::size_t j = 0; j < chunk.tensors.size(); ++j) {
+    const auto& planned = chunk.tensors[j].meta;
+    if (s.cursor + j >= s.stream.size())
+      return failed(r, "the exporter ran out of tensors where the plan expects " + planned.name);
+    if (auto why = emission_error(emitted_at(shards, s, s.cursor + j).get(), planned);
+        !why.empty())
+      return failed(r, why);
+  }
   const bool direct = s.spec.mode == "direct";
+  const auto copy_start = trace::start();
+  if (direct) {
+    r = start_direct(s, k, std::move(r));
+    if (!r.ok)
+      return r;
+  }
   auto slot = direct ? 0 : k % s.pool->count();
   std::byte* buffer = direct ? nullptr : s.pool->data(slot);
-  std::vector<std::pair<const std::byte*, publication::direct_move>> moves;
-  const auto* wrong_shape = find_fault(s, "wrong_shape");
   std::vector<publication::gather_item> items;
-  for (const auto& planned : chunk.tensors) {
-    if (s.cursor >= s.stream.size())
-      return failed(r, "the exporter ran out of tensors where the plan expects "
-                         + planned.meta.name);
-    auto index = s.stream[s.cursor++];
-    model::param_meta emitted = shards.params()[index];
-    if (wrong_shape && wrong_shape->tensor == emitted.name && !emitted.shape.empty())
-      emitted.shape[0] += 1;
-    s.emitted.push_back(emitted);
-    if (emitted.name != planned.meta.name)
-      return failed(r, "emitted " + emitted.name + " where the plan expects " + planned.meta.name);
-    if (emitted.shape != planned.meta.shape || emitted.dt != planned.meta.dt)
-      return failed(r, planned.meta.name + ": emitted shape " + shape_string(emitted.shape) + " "
-                         + model::dtype_name(emitted.dt) + ", the plan expects "
-                         + shape_string(planned.meta.shape) + " "
-                         + model::dtype_name(planned.meta.dt));
-    if (direct) {
-      auto [src, piece] = shards.owned(index, o.rank);
-      for (const auto& m : publication::plan_moves(*s.layout, s.offsets, planned.meta, piece))
-        moves.emplace_back(src, m);
-    } else {
-      items.push_back(shards.item(index, buffer + planned.offset));
+  std::string record_error;
+  try {
+    for (const auto& planned : chunk.tensors) {
+      const auto index = s.stream[s.cursor];
+      const auto emitted = emitted_at(shards, s, s.cursor++);
+      s.emitted.push_back(emitted.get());
+      s.manifest->add(emitted.get());
+      if (!direct)
+        items.push_back(shards.item(index, buffer + planned.offset));
+      tensor_meta tm;
+      tm.name = planned.meta.name;
+      tm.shape = planned.meta.shape;
+      tm.dtype = static_cast<std::uint8_t>(planned.meta.dt);
+      tm.offset = direct ? 0 : planned.offset;
+      tm.nbytes = planned.meta.nbytes();
+      r.tensors.push_back(std::move(tm));
     }
-    tensor_meta tm;
-    tm.name = planned.meta.name;
-    tm.shape = planned.meta.shape;
-    tm.dtype = static_cast<std::uint8_t>(planned.meta.dt);
-    tm.offset = direct ? 0 : planned.offset;
-    tm.nbytes = planned.meta.nbytes();
-    r.tensors.push_back(std::move(tm));
+  } catch (const std::exception& e) {
+    record_error = e.what();
   }
+  if (direct) {
+    r = finish_direct(s, k, std::move(r)); // waited for even when recording failed
+    trace::complete(trace::tracks::trainer_rank(o.rank), "copy", copy_start,
+                    {{"chunk", k}, {"copies", s.direct[k].copies}, {"ok", r.ok}});
+  }
+  if (!record_error.empty())
+    return failed(r, "chunk " + std::to_string(k) + "'s tensor metadata: " + record_error);
   if (direct)
-    return write_direct(o, s, k, moves, std::move(r));
+    return r;
   auto deadline = std::chrono::steady_clock::now()
                   + std::chrono::milliseconds(o.collective_timeout_ms);
   const auto gather_start = trace::start();
@@ -478,11 +438,22 @@ trainer_rank_impl::behavior_type trainer_rank(self_ptr self, trainer_rank_option
                        model = st.opts.model, registered = st.opts.registered,
                        rank = st.opts.rank]() mutable {
         trace::span traced(trace::tracks::trainer_rank(rank), "manifest");
-        auto emitted = session->emitted;
-        if (forge && !emitted.empty())
-          emitted.pop_back();
-        r.fingerprint = model::structural_manifest(emitted);
-        r.tensor_count = emitted.size();
+        try {
+          // Hashed chunk by chunk already; the whole stream again only where it is not the
+          // planned count (and for the test-only forged manifest).
+          auto streamed = session->manifest->finish();
+          if (forge && !session->emitted.empty()) {
+            auto emitted = session->emitted;
+            emitted.pop_back();
+            r.fingerprint = model::structural_manifest(emitted);
+            r.tensor_count = emitted.size();
+          } else {
+            r.fingerprint = streamed ? *streamed : model::structural_manifest(session->emitted);
+            r.tensor_count = session->emitted.size();
+          }
+        } catch (const std::exception& e) {
+          r = failed(r, std::string("manifest: ") + e.what());
+        }
         if (registered && session->spec.verify) {
           // The verifier's share of this rank: digest terms of the bytes it contributed, read
           // again from the registered memory after the gather (memory the trainer changed

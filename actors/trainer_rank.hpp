@@ -18,6 +18,7 @@
 
 #include "actors/interfaces.hpp"
 #include "runtime/config/config.hpp"
+#include "runtime/model/manifest.hpp"
 #include "runtime/publication/chunk_plan.hpp"
 #include "runtime/publication/collective_registry.hpp"
 #include "runtime/publication/backend.hpp"
@@ -63,6 +64,18 @@ struct rank_session {
   std::unique_ptr<publication::direct_writer> writer;
   std::shared_ptr<const model::tp_layout> layout;
   std::vector<std::uint64_t> offsets;
+  // Direct mode, per chunk: its copies (planned in prepare, held by the writer), how many a
+  // materialize started, and the bytes they place on this rank's own TP worker / on others.
+  struct direct_chunk {
+    bool planned = false;
+    std::size_t copies = 0;
+    std::size_t started = 0;
+    std::uint64_t local = 0;
+    std::uint64_t cross = 0;
+  };
+  std::vector<direct_chunk> direct;
+  // The manifest of `emitted`, hashed chunk by chunk (while a GPU copies the chunk's bytes).
+  std::unique_ptr<model::manifest_stream> manifest;
 };
 
 using trainer_rank_impl = trainer_rank_actor::extend<

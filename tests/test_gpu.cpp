@@ -106,6 +106,47 @@ TEST(GpuKernels, BatchedCopiesMatchStridedHostCopies) {
   EXPECT_EQ(to_host(0, ddst.data(), n), want);
 }
 
+// Batches planned once (direct publication's chunks): a batch launches whole or as a prefix of
+// its copies, from descriptors uploaded at planning; contiguous copies of many units with a
+// ragged tail go through the vector path.
+TEST(GpuKernels, PlannedCopyBatchesLaunchWholeOrAsAPrefix) {
+  REQUIRE_GPUS(1);
+  const std::uint64_t n = 4 << 20;
+  std::vector<std::byte> src(n);
+  for (std::uint64_t i = 0; i < n; ++i)
+    src[i] = static_cast<std::byte>(i * 37 + 11);
+  cuda::device_allocation dsrc(0, n, "copy source"), ddst(0, n, "copy destination");
+  cuda::copy_to_device(0, dsrc.data(), src.data(), n);
+  const std::vector<std::vector<cuda::copy_desc>> batches = {
+    {{dsrc.data(), ddst.data(), 0, 0, (1 << 20) + 48, 1},                   // 17 units
+     {dsrc.data() + 4096, ddst.data() + (2 << 20), 8192, 4096, 4096, 64}},  // strided rows
+    {{dsrc.data() + (3 << 20), ddst.data() + (3 << 20), 0, 0, 65536 * 3, 1},
+     {dsrc.data() + 7, ddst.data() + (3 << 20) + 65536 * 4, 0, 0, 999, 1},  // bytes
+     {dsrc.data(), ddst.data() + (3 << 20) + 65536 * 5, 0, 0, 4096, 1}},
+  };
+  cuda::copy_plan plan(0, batches);
+  ASSERT_EQ(plan.batches(), 2u);
+  EXPECT_EQ(plan.copies(1), 3u);
+  cuda::stream s(0);
+  s.copy_batch(plan, 1, 2); // the first two copies of batch 1 only
+  s.copy_batch(plan, 0, 99); // a limit past the end: all of batch 0
+  s.synchronize();
+  std::vector<std::byte> want(n, std::byte{0});
+  auto apply = [&](const cuda::copy_desc& c) {
+    for (std::uint64_t r = 0; r < c.rows; ++r)
+      std::memcpy(want.data() + (c.dst - ddst.data()) + r * c.dst_stride,
+                  src.data() + (c.src - dsrc.data()) + r * c.src_stride, c.row_bytes);
+  };
+  for (const auto& c : batches[0])
+    apply(c);
+  apply(batches[1][0]);
+  apply(batches[1][1]);
+  EXPECT_EQ(to_host(0, ddst.data(), n), want);
+  cuda::stream other(0);
+  EXPECT_NO_THROW(other.copy_batch(plan, 1, 0)); // nothing to launch
+  EXPECT_THROW(other.copy_batch(plan, 2, 1), std::out_of_range);
+}
+
 TEST(GpuKernels, ExpectedResidentDigestsMatchTheHostVerifier) {
   REQUIRE_GPUS(1);
   const auto cfg = tiny_config(1);

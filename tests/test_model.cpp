@@ -2,6 +2,7 @@
 // synthetic weights. Layout tests compare every resident element against an independent,
 // straightforward index computation (reference_source below).
 #include "model_configs.hpp"
+#include "runtime/model/manifest.hpp"
 #include "runtime/model/qwen3_moe.hpp"
 #include "runtime/model/synthetic.hpp"
 
@@ -469,6 +470,40 @@ TEST(Manifest, DeterministicLowercaseHexSha256) {
   EXPECT_EQ(structural_manifest(expected_key_stream(tiny_config())), m);
   EXPECT_NE(structural_manifest({}), m);
   EXPECT_EQ(structural_manifest({}).size(), 64u);
+}
+
+// Known answers from Python's hashlib over the documented encoding (tag, count, then per entry
+// name, rank, dims, dtype name, numel, nbytes; strings length-prefixed, integers u64 LE).
+TEST(Manifest, MatchesAnIndependentSha256OfTheEncoding) {
+  EXPECT_EQ(structural_manifest({}),
+            "92c024a86686be894a103ce8c53fc133f41d0782e5926101290251433dfbba5b");
+  param_meta w;
+  w.name = "w";
+  w.shape = {2, 3};
+  w.dt = dtype::bfloat16;
+  EXPECT_EQ(structural_manifest({w}),
+            "7167755c67b236f24e6df8ca4d367af685dc7e2f9cd7e1d6771d5b07dec5aa6b");
+}
+
+TEST(Manifest, StreamedChunkByChunkEqualsTheWholeStream) {
+  const auto stream = expected_key_stream(tiny_config());
+  manifest_stream streamed(stream.size());
+  for (const auto& p : stream)
+    streamed.add(p);
+  EXPECT_EQ(streamed.count(), stream.size());
+  EXPECT_EQ(streamed.finish(), std::optional<std::string>(structural_manifest(stream)));
+  EXPECT_THROW(streamed.finish(), model_error); // once only
+  EXPECT_THROW(streamed.add(stream.front()), model_error);
+
+  // Fewer (or more) tensors than announced: no fingerprint, the caller hashes what it has.
+  manifest_stream short_stream(stream.size());
+  for (std::size_t i = 0; i + 1 < stream.size(); ++i)
+    short_stream.add(stream[i]);
+  EXPECT_EQ(short_stream.finish(), std::nullopt);
+  manifest_stream long_stream(2);
+  for (const auto& p : stream)
+    long_stream.add(p);
+  EXPECT_EQ(long_stream.finish(), std::nullopt);
 }
 
 TEST(Manifest, SensitiveToDropReorderReshapeAndDtype) {

@@ -223,6 +223,45 @@ void stream::copy_batch(const std::vector<copy_desc>& copies) {
                       static_cast<std::uint32_t>(copies.size()), start.back());
 }
 
+copy_plan::copy_plan(int ordinal, const std::vector<std::vector<copy_desc>>& batches) {
+  std::vector<std::byte> host;
+  auto append = [&host](const void* data, std::uint64_t bytes) {
+    const std::uint64_t at = host.size();
+    host.resize(at + bytes);
+    if (bytes != 0)
+      std::memcpy(host.data() + at, data, bytes);
+    return at;
+  };
+  for (const auto& copies : batches) {
+    batch b;
+    b.block_start = block_prefix(copies, [](const copy_desc& d) {
+      return ceil_div(d.row_bytes * d.rows, kernels::copy_unit_bytes);
+    });
+    b.desc_offset = append(copies.data(), copies.size() * sizeof(copy_desc));
+    b.start_offset = append(b.block_start.data(), b.block_start.size() * sizeof(std::uint64_t));
+    batches_.push_back(std::move(b));
+  }
+  if (host.empty())
+    return;
+  memory_ = device_allocation(ordinal, host.size(), "planned copy descriptors");
+  copy_to_device(ordinal, memory_.data(), host.data(), host.size());
+}
+
+void stream::copy_batch(const copy_plan& plan, std::size_t batch, std::size_t limit) {
+  const auto& b = plan.batches_.at(batch);
+  limit = std::min(limit, b.block_start.size() - 1);
+  if (limit == 0)
+    return;
+  if (plan.memory_.ordinal() != ordinal_)
+    throw error(where(ordinal_) + ": a copy plan of " + where(plan.memory_.ordinal())
+                + " launched on this device's stream");
+  use(ordinal_);
+  kernels::copy_batch(stream_,
+                      reinterpret_cast<const copy_desc*>(plan.memory_.data() + b.desc_offset),
+                      reinterpret_cast<const std::uint64_t*>(plan.memory_.data() + b.start_offset),
+                      static_cast<std::uint32_t>(limit), b.block_start[limit]);
+}
+
 void stream::synchronize() {
   use(ordinal_);
   auto s = static_cast<cudaStream_t>(stream_);

@@ -95,6 +95,28 @@ struct placed_desc {
   std::uint64_t rows = 0;
 };
 
+class stream;
+
+// Batches of copies planned once and uploaded to the device together (direct publication plans
+// every chunk in prepare): launching a batch is one kernel, with no descriptor upload and no
+// host wait before it. The copies' memory must outlive the plan's launches.
+class copy_plan {
+public:
+  copy_plan(int ordinal, const std::vector<std::vector<copy_desc>>& batches);
+  std::size_t batches() const { return batches_.size(); }
+  std::size_t copies(std::size_t batch) const { return batches_.at(batch).block_start.size() - 1; }
+
+private:
+  friend class stream;
+  struct batch {
+    std::uint64_t desc_offset = 0;          // bytes into memory_
+    std::uint64_t start_offset = 0;
+    std::vector<std::uint64_t> block_start; // host copy: blocks of the first i copies
+  };
+  device_allocation memory_;
+  std::vector<batch> batches_;
+};
+
 // A non-blocking stream on one device, with an event that orders completion.
 class stream {
 public:
@@ -108,6 +130,8 @@ public:
 
   // All of `copies` as one kernel launch (not one cudaMemcpy per placement); asynchronous.
   void copy_batch(const std::vector<copy_desc>& copies);
+  // The first `limit` copies of `plan`'s batch `batch` as one kernel launch; asynchronous.
+  void copy_batch(const copy_plan& plan, std::size_t batch, std::size_t limit);
   // Records the event after everything issued so far and waits for it on the host.
   void synchronize();
   // Records the event after everything issued so far; done() polls it without blocking.

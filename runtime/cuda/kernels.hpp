@@ -17,7 +17,7 @@ struct launch_error : std::runtime_error {
 
 // Work per block: a copy descriptor is split into units of this many bytes, a digest or
 // expected-digest descriptor into units of this many elements.
-inline constexpr std::uint64_t copy_unit_bytes = 256 * 1024;
+inline constexpr std::uint64_t copy_unit_bytes = 64 * 1024;
 inline constexpr std::uint64_t digest_unit_elements = 64 * 1024;
 
 // One placement of a canonical tensor into a resident tensor, in elements, for the verifier.

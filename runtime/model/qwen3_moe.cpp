@@ -8,7 +8,6 @@
 #include <memory>
 #include <optional>
 
-#include <openssl/evp.h>
 
 namespace refit::model {
 
@@ -395,58 +394,6 @@ std::vector<param_meta> expected_key_stream(const model_config& cfg) {
   add(final_norm_name, tensor_kind::final_norm);
   if (!cfg.tie_word_embeddings)
     add(lm_head_name, tensor_kind::lm_head);
-  return out;
-}
-
-// ---------------------------------------------------------------------------------------
-// Structural manifest
-// ---------------------------------------------------------------------------------------
-
-namespace {
-
-void put_u64(std::string& buf, std::uint64_t v) {
-  for (int i = 0; i < 8; ++i)
-    buf.push_back(static_cast<char>((v >> (8 * i)) & 0xffu));
-}
-
-void put_str(std::string& buf, const std::string& s) {
-  put_u64(buf, s.size());
-  buf += s;
-}
-
-} // namespace
-
-std::string structural_manifest(const std::vector<param_meta>& params) {
-  // Canonical encoding: a versioned tag, the entry count, then per entry every field
-  // length-prefixed (strings) or fixed-width little-endian (integers), so distinct
-  // streams never encode to the same bytes.
-  std::string encoded;
-  put_str(encoded, "refit.structural_manifest.v1");
-  put_u64(encoded, params.size());
-  for (const auto& p : params) {
-    put_str(encoded, p.name);
-    put_u64(encoded, p.shape.size());
-    for (auto d : p.shape)
-      put_u64(encoded, static_cast<std::uint64_t>(d));
-    put_str(encoded, dtype_name(p.dt));
-    put_u64(encoded, p.numel());
-    put_u64(encoded, p.nbytes());
-  }
-
-  std::unique_ptr<EVP_MD_CTX, decltype(&EVP_MD_CTX_free)> ctx(EVP_MD_CTX_new(), &EVP_MD_CTX_free);
-  unsigned char digest[EVP_MAX_MD_SIZE];
-  unsigned int digest_len = 0;
-  if (!ctx || EVP_DigestInit_ex(ctx.get(), EVP_sha256(), nullptr) != 1
-      || EVP_DigestUpdate(ctx.get(), encoded.data(), encoded.size()) != 1
-      || EVP_DigestFinal_ex(ctx.get(), digest, &digest_len) != 1)
-    throw model_error("manifest", "OpenSSL SHA-256 failed");
-  static const char hex[] = "0123456789abcdef";
-  std::string out;
-  out.reserve(2 * digest_len);
-  for (unsigned int i = 0; i < digest_len; ++i) {
-    out.push_back(hex[digest[i] >> 4]);
-    out.push_back(hex[digest[i] & 0xfu]);
-  }
   return out;
 }
 

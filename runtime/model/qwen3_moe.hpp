@@ -85,7 +85,8 @@ struct param_meta {
 // mlp.{gate,up,down}_proj.weight in place of the router and the experts.
 std::vector<param_meta> expected_key_stream(const model_config& cfg);
 
-// Hex SHA-256 over the ordered (name, shape, dtype, numel, nbytes) of `params`.
+// Hex SHA-256 over the ordered (name, shape, dtype, numel, nbytes) of `params` (manifest.cpp;
+// manifest.hpp computes it as tensors arrive).
 // Never hashes payload bytes.
 std::string structural_manifest(const std::vector<param_meta>& params);
 

@@ -1,5 +1,6 @@
 #include "runtime/publication/direct_backend.hpp"
 
+#include <algorithm>
 #include <atomic>
 #include <stdexcept>
 #include <vector>
@@ -32,11 +33,19 @@ private:
 
 class host_writer final : public direct_writer {
 public:
-  void add(std::byte* dst, std::uint64_t dst_stride, const std::byte* src,
-           std::uint64_t src_stride, std::uint64_t row_bytes, std::uint64_t rows) override {
-    bulk_copy_rows(dst, dst_stride, src, src_stride, row_bytes, rows);
+  void plan(const std::vector<std::vector<direct_copy>>& chunks) override { chunks_ = chunks; }
+  void start(std::size_t chunk, std::size_t limit) override {
+    const auto& copies = chunks_.at(chunk);
+    limit = std::min(limit, copies.size());
+    for (std::size_t i = 0; i < limit; ++i) {
+      const auto& c = copies[i];
+      bulk_copy_rows(c.dst, c.dst_stride, c.src, c.src_stride, c.row_bytes, c.rows);
+    }
   }
   void finish() override {} // bulk copies are fenced when they return
+
+private:
+  std::vector<std::vector<direct_copy>> chunks_;
 };
 
 #if REFIT_HAVE_CUDA
@@ -57,26 +66,23 @@ private:
 class cuda_writer final : public direct_writer {
 public:
   explicit cuda_writer(int ordinal) : stream_(ordinal) {}
-  void add(std::byte* dst, std::uint64_t dst_stride, const std::byte* src,
-           std::uint64_t src_stride, std::uint64_t row_bytes, std::uint64_t rows) override {
-    pending_.push_back({src, dst, src_stride, dst_stride, row_bytes, rows});
-    if (pending_.size() >= 4096)
-      flush();
+  void plan(const std::vector<std::vector<direct_copy>>& chunks) override {
+    std::vector<std::vector<cuda::copy_desc>> batches(chunks.size());
+    for (std::size_t k = 0; k < chunks.size(); ++k)
+      for (const auto& c : chunks[k])
+        batches[k].push_back({c.src, c.dst, c.src_stride, c.dst_stride, c.row_bytes, c.rows});
+    plan_ = std::make_unique<cuda::copy_plan>(stream_.ordinal(), batches);
   }
-  void finish() override {
-    flush();
-    stream_.synchronize();
+  void start(std::size_t chunk, std::size_t limit) override {
+    if (!plan_)
+      throw std::logic_error("direct writer: a chunk started before the copies were planned");
+    stream_.copy_batch(*plan_, chunk, limit);
   }
+  void finish() override { stream_.synchronize(); }
 
 private:
-  void flush() {
-    if (pending_.empty())
-      return;
-    stream_.copy_batch(pending_);
-    pending_.clear();
-  }
+  std::unique_ptr<cuda::copy_plan> plan_; // freed after stream_ waited for its launches
   cuda::stream stream_;
-  std::vector<cuda::copy_desc> pending_;
 };
 #endif
 
