@@ -4,6 +4,7 @@
 #include <stdexcept>
 
 #include "actors/trainer_rank_parts.hpp"
+#include "runtime/trace/trace.hpp"
 
 namespace refit::trainer_rank_parts {
 
@@ -37,8 +38,12 @@ rank_report prepare_direct(const trainer_rank_options& o, const source_view& sha
                        + std::to_string(s.spec.tp));
   s.layout = std::make_shared<model::tp_layout>(o.model, s.spec.tp);
   s.offsets = publication::resident_offsets(*s.layout);
-  if (auto why = open_targets(shards, s); !why.empty())
-    return failed(r, why);
+  {
+    trace::span opening(trace::tracks::trainer_rank(o.rank), "open arenas", {{"tp", s.spec.tp}});
+    if (auto why = open_targets(shards, s); !why.empty())
+      return failed(r, why);
+  }
+  trace::span planning(trace::tracks::trainer_rank(o.rank), "plan copies");
   s.writer = publication::make_direct_writer(shards.device());
   // The same walk materialize makes: stream position by position against the plan. Where the
   // exporter's stream leaves the plan, planning stops; materialize reports the mismatch at
