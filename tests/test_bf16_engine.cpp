@@ -298,6 +298,34 @@ TEST(Bf16Engine, ScoreOnTheBf16ArenaIsTheFp32Reference) {
 
 } // namespace
 
+// REFIT_PDL (programmatic dependent launch of the CUDA kernels) is 0 or 1; anything else is
+// refused naming the variable when an engine is built, on CPU as on GPU.
+TEST(Bf16Engine, AProgrammaticLaunchKnobThatIsNotZeroOrOneIsRefused) {
+  const auto cfg = refit::testing::tiny_model();
+  const auto w = engine_synthetic(cfg);
+  struct env_guard {
+    ~env_guard() { ::unsetenv("REFIT_PDL"); }
+  } guard;
+  for (const char* bad : {"yes", "2", "1 "}) {
+    ::setenv("REFIT_PDL", bad, 1);
+    host_memory mem;
+    try {
+      auto rig = cpu_rig(mem, cfg, w, model::dtype::bfloat16, 8, 8);
+      ADD_FAILURE() << "REFIT_PDL=" << bad << " was taken";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find("REFIT_PDL=" + std::string(bad) + " is not 0 or 1"),
+                std::string::npos)
+        << e.what();
+    }
+  }
+  for (const char* good : {"0", "1"}) {
+    ::setenv("REFIT_PDL", good, 1);
+    host_memory mem;
+    auto rig = cpu_rig(mem, cfg, w, model::dtype::bfloat16, 8, 8);
+    EXPECT_EQ(rig.logits(engine_prompt(5), 5, 8).size(), std::size_t{5} * cfg.vocab_size);
+  }
+}
+
 // The expert-GEMV tuning knob (REFIT_EXPERT_GEMV_MAX_COPIES) is read when an engine is built: a
 // value that is not a count is refused naming the variable; a count is taken.
 TEST(Bf16Engine, AnExpertGemvKnobThatIsNotACountIsRefusedNamingTheVariable) {

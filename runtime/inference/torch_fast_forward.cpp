@@ -41,6 +41,15 @@ static std::int64_t copies_knob(const char* name, std::int64_t fallback) {
   return n;
 }
 
+static bool flag_knob(const char* name, bool fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0')
+    return fallback;
+  if (std::string(v) == "0" || std::string(v) == "1")
+    return *v == '1';
+  throw std::invalid_argument(std::string("bf16 engine: ") + name + "=" + v + " is not 0 or 1");
+}
+
 fast_rank_forward::fast_rank_forward(const rank_forward_options& o)
   : o_(o),
     cfg_(o_.model),
@@ -92,6 +101,11 @@ fast_rank_forward::fast_rank_forward(const rank_forward_options& o)
     static_cast<int>(head_dim_), static_cast<int>(q_heads_ / kv_heads_));
 #endif
   gemv_max_copies_ = copies_knob("REFIT_EXPERT_GEMV_MAX_COPIES", gemv_max_copies_);
+  [[maybe_unused]] const bool programmatic = flag_knob("REFIT_PDL", true);
+#if defined(REFIT_TORCH_CUDA)
+  if (device_.is_cuda())
+    kernels::set_programmatic_launch(programmatic);
+#endif
 }
 
 std::vector<float> fast_rank_forward::forward(const std::vector<forward_item>& items, std::byte* kv_base,

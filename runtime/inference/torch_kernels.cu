@@ -19,6 +19,7 @@ namespace {
 // One block per row. Columns by 4 (float4) when n % 4 == 0.
 __global__ void rms_norm_kernel(const float* __restrict__ x, const bf16* __restrict__ w,
                                 bf16* __restrict__ out, int n, float eps) {
+  pdl_enter();
   __shared__ float shared[32];
   const float* row = x + static_cast<i64>(blockIdx.x) * n;
   float ss = 0.0f;
@@ -38,6 +39,7 @@ __global__ void rms_norm_kernel(const float* __restrict__ x, const bf16* __restr
 __global__ void add_rms_norm_kernel(float* __restrict__ x, const bf16* __restrict__ y,
                                     const bf16* __restrict__ w, bf16* __restrict__ out, int n,
                                     float eps) {
+  pdl_enter();
   __shared__ float shared[32];
   float* row = x + static_cast<i64>(blockIdx.x) * n;
   const bf16* yr = y + static_cast<i64>(blockIdx.x) * n;
@@ -70,6 +72,7 @@ __global__ void qk_kernel(const bf16* qkv, const bf16* q_norm, const bf16* k_nor
                           const float* cos, const float* sin, const i64* positions,
                           const i64* src_row, const i64* write_block, const i64* write_slot,
                           bf16* q_out, kv_target kv, int hq, int hkv, int d, float eps) {
+  pdl_enter();
   __shared__ float shared[32];
   const int i = blockIdx.x;
   const int head = blockIdx.y;
@@ -126,6 +129,7 @@ __global__ void __launch_bounds__(NW * 32)
   decode_attention_kernel(const bf16* __restrict__ q, kv_target kv, const i64* __restrict__ table,
                           int width, const i64* __restrict__ lengths, bf16* __restrict__ out,
                           int hq, int hkv, float scale) {
+  pdl_enter();
   constexpr int DPL = D / 32; // head dims per lane in P.V
   constexpr int TILE = 32;
   constexpr int P1 = NW * TILE * D * 2 + (G * D + NW * G * TILE) * 4; // V tiles, q, p
@@ -269,9 +273,9 @@ void launch_attention(const void* q, kv_target kv, const i64* table, int width, 
                       void* out, int b, int hq, int hkv, cudaStream_t s) {
   constexpr int NW = 4;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  decode_attention_kernel<D, G, NW><<<dim3(b, hkv), NW * 32, 0, s>>>(
-    static_cast<const bf16*>(q), kv, table, width, lengths, static_cast<bf16*>(out), hq, hkv,
-    scale);
+  launch("decode_attention", decode_attention_kernel<D, G, NW>, dim3(b, hkv), dim3(NW * 32), s,
+         static_cast<const bf16*>(q), kv, table, width, lengths, static_cast<bf16*>(out), hq, hkv,
+         scale);
 }
 
 template <int D>
@@ -290,6 +294,7 @@ void dispatch_group(int group, const void* q, kv_target kv, const i64* table, in
 // ------------------------------------------------------------------ elementwise
 
 __global__ void add_kernel(float* x, const bf16* y, i64 elements) {
+  pdl_enter();
   for (i64 idx = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x; idx < elements;
        idx += static_cast<i64>(gridDim.x) * blockDim.x)
     x[idx] += to_f(y[idx]);
@@ -303,16 +308,14 @@ int grid_for(i64 elements, int threads) {
 } // namespace
 
 void rms_norm(const float* x, const void* w, void* out, int rows, int n, float eps, void* stream) {
-  rms_norm_kernel<<<rows, 256, 0, as_stream(stream)>>>(x, static_cast<const bf16*>(w),
-                                                       static_cast<bf16*>(out), n, eps);
-  check("rms_norm");
+  launch("rms_norm", rms_norm_kernel, dim3(rows), dim3(256), as_stream(stream), x,
+         static_cast<const bf16*>(w), static_cast<bf16*>(out), n, eps);
 }
 
 void add_rms_norm(float* x, const void* y, const void* w, void* out, int rows, int n, float eps,
                   void* stream) {
-  add_rms_norm_kernel<<<rows, 256, 0, as_stream(stream)>>>(
-    x, static_cast<const bf16*>(y), static_cast<const bf16*>(w), static_cast<bf16*>(out), n, eps);
-  check("add_rms_norm");
+  launch("add_rms_norm", add_rms_norm_kernel, dim3(rows), dim3(256), as_stream(stream), x,
+         static_cast<const bf16*>(y), static_cast<const bf16*>(w), static_cast<bf16*>(out), n, eps);
 }
 
 void qk_norm_rope_write(const void* qkv, const void* q_norm, const void* k_norm,
@@ -321,11 +324,10 @@ void qk_norm_rope_write(const void* qkv, const void* q_norm, const void* k_norm,
                         const std::int64_t* write_slot, void* q_out, kv_target kv, int n, int hq,
                         int hkv, int d, float eps, void* stream) {
   const int threads = ((d / 2 + 31) / 32) * 32;
-  qk_kernel<<<dim3(n, hq + 2 * hkv), threads, 0, as_stream(stream)>>>(
-    static_cast<const bf16*>(qkv), static_cast<const bf16*>(q_norm),
-    static_cast<const bf16*>(k_norm), cos, sin, positions, src_row, write_block, write_slot,
-    static_cast<bf16*>(q_out), kv, hq, hkv, d, eps);
-  check("qk_norm_rope_write");
+  launch("qk_norm_rope_write", qk_kernel, dim3(n, hq + 2 * hkv), dim3(threads),
+         as_stream(stream), static_cast<const bf16*>(qkv), static_cast<const bf16*>(q_norm),
+         static_cast<const bf16*>(k_norm), cos, sin, positions, src_row, write_block, write_slot,
+         static_cast<bf16*>(q_out), kv, hq, hkv, d, eps);
 }
 
 bool decode_attention_supported(int d, int group) {
@@ -346,10 +348,11 @@ void decode_attention(const void* q, kv_target kv, const std::int64_t* table, in
   check("decode_attention");
 }
 
+void set_programmatic_launch(bool on) { programmatic_launch.store(on); }
+
 void add_bf16(float* x, const void* y, std::int64_t elements, void* stream) {
-  add_kernel<<<grid_for(elements, 256), 256, 0, as_stream(stream)>>>(
-    x, static_cast<const bf16*>(y), elements);
-  check("add_bf16");
+  launch("add_bf16", add_kernel, dim3(grid_for(elements, 256)), dim3(256), as_stream(stream), x,
+         static_cast<const bf16*>(y), elements);
 }
 
 } // namespace refit::inference::kernels

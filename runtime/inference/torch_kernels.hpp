@@ -33,6 +33,10 @@ void qk_norm_rope_write(const void* qkv, const void* q_norm, const void* k_norm,
                         const std::int64_t* write_slot, void* q_out, kv_target kv, int n, int hq,
                         int hkv, int d, float eps, void* stream);
 
+// Programmatic dependent launch of every kernel here (on by default; the engine sets it from
+// REFIT_PDL). Process-wide: it takes effect for launches (and graph captures) after the call.
+void set_programmatic_launch(bool on);
+
 // Decode attention over the paged cache: q bf16 [b, hq, d]; table int64 [b, width]; lengths
 // int64 [b]; out bf16 [b, hq * d]. Supports d in {64, 128} and hq / hkv in {1, 2, 4, 8, 16}.
 bool decode_attention_supported(int d, int group);

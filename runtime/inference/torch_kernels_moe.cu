@@ -76,6 +76,7 @@ __device__ void route_token(const bf16* __restrict__ logits, int token, int expe
 
 __global__ void route_kernel(const bf16* __restrict__ logits, int n, int experts, int top_k,
                              bool renormalize, i64* __restrict__ ids, float* __restrict__ weights) {
+  pdl_enter();
   const int token = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   if (token < n)
     route_token(logits, token, experts, top_k, renormalize, ids, weights);
@@ -160,6 +161,7 @@ __global__ void __launch_bounds__(1024)
                 i64* __restrict__ counts, int* __restrict__ offsets, i64* __restrict__ order,
                 i64* __restrict__ src_token, i64* __restrict__ inverse, i64* __restrict__ loads,
                 int loads_n) {
+  pdl_enter();
   bucket_block(ids, copies, top_k, experts, counts, offsets, order, src_token, inverse, loads,
                loads_n);
 }
@@ -176,6 +178,7 @@ __global__ void expert_gemv_kernel(const bf16* __restrict__ x, const i64* __rest
                                    const i64* __restrict__ order, const i64* __restrict__ counts,
                                    const int* __restrict__ offsets, bf16* __restrict__ y, int n,
                                    int k) {
+  pdl_enter();
   const int p = blockIdx.x;
   const int e = static_cast<int>(ids[order[p]]);
   const int count = static_cast<int>(counts[e]);
@@ -229,6 +232,7 @@ __global__ void expert_gemv_kernel(const bf16* __restrict__ x, const i64* __rest
 
 __global__ void silu_mul_kernel(const bf16* __restrict__ gate_up, bf16* __restrict__ act, i64 m,
                                 int inter) {
+  pdl_enter();
   const i64 total = m * inter;
   for (i64 idx = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x; idx < total;
        idx += static_cast<i64>(gridDim.x) * blockDim.x) {
@@ -247,6 +251,7 @@ __global__ void mix_kernel(const bf16* __restrict__ y, const i64* __restrict__ i
                            const float* __restrict__ weights, float* __restrict__ x, int top_k,
                            int h, const bf16* __restrict__ norm_w, bf16* __restrict__ norm_out,
                            float eps) {
+  pdl_enter();
   __shared__ float shared[32];
   const int t = blockIdx.x;
   const i64* inv = inverse + static_cast<i64>(t) * top_k;
@@ -303,10 +308,8 @@ void route(const void* logits, int n, int experts, int top_k, bool renormalize,
            std::int64_t* ids, float* weights, void* stream) {
   const int threads = 256; // 8 tokens per block
   const int blocks = (n * 32 + threads - 1) / threads;
-  route_kernel<<<blocks, threads, 0, as_stream(stream)>>>(static_cast<const bf16*>(logits), n,
-                                                          experts, top_k, renormalize, ids,
-                                                          weights);
-  check("route");
+  launch("route", route_kernel, dim3(blocks), dim3(threads), as_stream(stream),
+         static_cast<const bf16*>(logits), n, experts, top_k, renormalize, ids, weights);
 }
 
 bool bucket_supported(int copies, int experts) {
@@ -317,9 +320,8 @@ bool bucket_supported(int copies, int experts) {
 void bucket(const std::int64_t* ids, int copies, int top_k, int experts, std::int64_t* counts,
             int* offsets, std::int64_t* order, std::int64_t* src_token, std::int64_t* inverse,
             std::int64_t* loads, int loads_n, void* stream) {
-  bucket_kernel<<<1, max_bucket_experts, 0, as_stream(stream)>>>(
-    ids, copies, top_k, experts, counts, offsets, order, src_token, inverse, loads, loads_n);
-  check("bucket");
+  launch("bucket", bucket_kernel, dim3(1), dim3(max_bucket_experts), as_stream(stream), ids,
+         copies, top_k, experts, counts, offsets, order, src_token, inverse, loads, loads_n);
 }
 
 bool expert_gemv_supported(std::int64_t copies, std::int64_t k, std::int64_t max_copies) {
@@ -328,25 +330,23 @@ bool expert_gemv_supported(std::int64_t copies, std::int64_t k, std::int64_t max
 
 void expert_gemv(const gemv_args& a, void* stream) {
   const dim3 grid(a.copies, (a.n + gemv_rows_per_block - 1) / gemv_rows_per_block);
-  expert_gemv_kernel<<<grid, gemv_rows_per_block * 32, 0, as_stream(stream)>>>(
-    static_cast<const bf16*>(a.x), a.x_rows, static_cast<const bf16*>(a.w), a.ids, a.order,
-    a.counts, a.offsets, static_cast<bf16*>(a.y), a.n, a.k);
-  check("expert_gemv");
+  launch("expert_gemv", expert_gemv_kernel, grid, dim3(gemv_rows_per_block * 32),
+         as_stream(stream), static_cast<const bf16*>(a.x), a.x_rows,
+         static_cast<const bf16*>(a.w), a.ids, a.order, a.counts, a.offsets,
+         static_cast<bf16*>(a.y), a.n, a.k);
 }
 
 void silu_mul(const void* gate_up, void* act, std::int64_t m, int inter, void* stream) {
-  silu_mul_kernel<<<grid_for(m * inter, 256), 256, 0, as_stream(stream)>>>(
-    static_cast<const bf16*>(gate_up), static_cast<bf16*>(act), m, inter);
-  check("silu_mul");
+  launch("silu_mul", silu_mul_kernel, dim3(grid_for(m * inter, 256)), dim3(256),
+         as_stream(stream), static_cast<const bf16*>(gate_up), static_cast<bf16*>(act), m, inter);
 }
 
 void mix_experts(const void* y, const std::int64_t* inverse, const float* weights, float* x,
                  int n, int top_k, int h, const void* norm_w, void* norm_out, float eps,
                  void* stream) {
-  mix_kernel<<<n, 256, 0, as_stream(stream)>>>(
-    static_cast<const bf16*>(y), inverse, weights, x, top_k, h, static_cast<const bf16*>(norm_w),
-    static_cast<bf16*>(norm_out), eps);
-  check("mix_experts");
+  launch("mix_experts", mix_kernel, dim3(n), dim3(256), as_stream(stream),
+         static_cast<const bf16*>(y), inverse, weights, x, top_k, h,
+         static_cast<const bf16*>(norm_w), static_cast<bf16*>(norm_out), eps);
 }
 
 } // namespace refit::inference::kernels
