@@ -177,6 +177,9 @@ private:
   void ensure_rope(std::int64_t positions);
 
   at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w) const;
+  // x [m, k] . w [n, k]^T: the engine's GEMV for the few rows of a decode step (bf16,
+  // kernels::dense_gemv), else at::matmul.
+  at::Tensor linear(const at::Tensor& x, const at::Tensor& w) const;
 
   at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) const;
 

@@ -9,6 +9,24 @@ at::Tensor fast_rank_forward::rms_norm(const at::Tensor& x, const at::Tensor& w)
   return x * at::rsqrt(variance + cfg_.rms_norm_eps) * w; // fp32 (w promoted)
 }
 
+at::Tensor fast_rank_forward::linear(const at::Tensor& x, const at::Tensor& w) const {
+#if defined(REFIT_TORCH_CUDA)
+  const auto aligned = [](const at::Tensor& t) {
+    return reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16 == 0;
+  };
+  if (fused_ && x.dim() == 2 && w.dim() == 2 && x.scalar_type() == at::kBFloat16
+      && w.scalar_type() == at::kBFloat16 && x.size(1) == w.size(1) && x.is_contiguous()
+      && w.is_contiguous() && aligned(x) && aligned(w)
+      && kernels::dense_gemv_supported(x.size(0), x.size(1))) {
+    at::Tensor y = at::empty({x.size(0), w.size(0)}, bf_);
+    kernels::dense_gemv(x.data_ptr(), w.data_ptr(), y.data_ptr(), static_cast<int>(x.size(0)),
+                        static_cast<int>(w.size(0)), static_cast<int>(x.size(1)), stream());
+    return y;
+  }
+#endif
+  return at::matmul(x, w.t());
+}
+
 at::Tensor fast_rank_forward::rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) const {
   const std::int64_t half = head_dim_ / 2;
   const at::Tensor x1 = x.narrow(-1, 0, half);
@@ -67,7 +85,7 @@ at::Tensor fast_rank_forward::model(const step_inputs& in, std::byte* kv_base, c
   for (std::uint32_t layer = 0; layer < cfg_.num_hidden_layers; ++layer) {
     const layer_tensors& w = layers_[layer];
     at::Tensor h = next.defined() ? next : norm_bf16(x, w.input_norm);
-    const at::Tensor qkv = at::matmul(h, w.qkv.t());
+    const at::Tensor qkv = linear(h, w.qkv);
     at::Tensor kc = kv_view(kv_base, layer, 0);
     at::Tensor vc = kv_view(kv_base, layer, 1);
     at::Tensor attn;
@@ -86,7 +104,7 @@ at::Tensor fast_rank_forward::model(const step_inputs& in, std::byte* kv_base, c
       vc.index_put_({in.write_block, in.write_slot}, v_src);
       attn = decode ? decode_attention(q, kc, vc, in) : prefill_attention(q, k, v, kc, vc, *items);
     }
-    const at::Tensor out = at::matmul(attn, w.o.t());
+    const at::Tensor out = linear(attn, w.o);
     h = add_norm_bf16(x, out, w.post_norm);
     const bool last = layer + 1 == cfg_.num_hidden_layers;
     next = experts(w, h, decode, x, last ? nullptr : &layers_[layer + 1].input_norm);
@@ -255,7 +273,7 @@ at::Tensor fast_rank_forward::grouped(const at::Tensor& x, const at::Tensor& w, 
 at::Tensor fast_rank_forward::experts(const layer_tensors& w, const at::Tensor& h, bool decode,
                                       at::Tensor& x, const at::Tensor* next_norm) {
   const std::int64_t n = h.size(0);
-  const at::Tensor router_logits = at::matmul(h, w.router.t()); // bf16 [n, E]
+  const at::Tensor router_logits = linear(h, w.router); // bf16 [n, E]
   at::Tensor weights; // fp32 [n, k]
   at::Tensor chosen;  // int64 [n * k]
 #if defined(REFIT_TORCH_CUDA)

@@ -33,6 +33,12 @@ void qk_norm_rope_write(const void* qkv, const void* q_norm, const void* k_norm,
                         const std::int64_t* write_slot, void* q_out, kv_target kv, int n, int hq,
                         int hkv, int d, float eps, void* stream);
 
+// y bf16 [m, n] = x bf16 [m, k] . w bf16 [n, k]^T (fp32 sums), all contiguous and 16-byte
+// aligned, for the few rows of a decode step: m <= max_dense_gemv_rows, k % 8 == 0, k <= 4096.
+inline constexpr std::int64_t max_dense_gemv_rows = 8;
+bool dense_gemv_supported(std::int64_t m, std::int64_t k);
+void dense_gemv(const void* x, const void* w, void* y, int m, int n, int k, void* stream);
+
 // Programmatic dependent launch of every kernel here (on by default; the engine sets it from
 // REFIT_PDL). Process-wide: it takes effect for launches (and graph captures) after the call.
 void set_programmatic_launch(bool on);

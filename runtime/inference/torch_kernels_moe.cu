@@ -13,9 +13,6 @@ namespace {
 constexpr int max_experts_per_lane = 8; // experts <= 256
 constexpr int max_bucket_copies = 4096;
 constexpr int max_bucket_experts = 1024;
-constexpr int gemv_max_k = 4096;
-constexpr int gemv_tokens_per_pass = 8;
-constexpr int gemv_rows_per_block = 8; // one warp per output row
 
 // ----------------------------------------------------------------------- routing
 
@@ -169,10 +166,9 @@ __global__ void __launch_bounds__(1024)
 // --------------------------------------------------------------- expert GEMV
 
 // One block per (expert group, 8 output rows): the group's first sorted copy does the group
-// (the other copies' blocks return), one warp per output row, the group's copies
-// gemv_tokens_per_pass at a time against the row streamed with 16-byte loads (re-read from
-// L1/L2 on later passes). x-row(p) = x[x_rows[p]] when x_rows is set (the token's hidden row:
-// no gather), else x[p].
+// (the other copies' blocks return), one warp per output row (gemv_row, common.cuh).
+// x-row(p) = x[x_rows[p]] when x_rows is set (the token's hidden row: no gather), else x[p].
+template <int KC>
 __global__ void expert_gemv_kernel(const bf16* __restrict__ x, const i64* __restrict__ x_rows,
                                    const bf16* __restrict__ w, const i64* __restrict__ ids,
                                    const i64* __restrict__ order, const i64* __restrict__ counts,
@@ -185,47 +181,18 @@ __global__ void expert_gemv_kernel(const bf16* __restrict__ x, const i64* __rest
   const int first = offsets[e] - count;
   if (p != first)
     return;
-  const int lane = threadIdx.x & 31;
   const int row = blockIdx.y * gemv_rows_per_block + (threadIdx.x >> 5);
   if (row >= n)
     return;
-  const bf16* wr = w + (static_cast<i64>(e) * n + row) * k;
-  constexpr int TP = gemv_tokens_per_pass;
-  for (int c0 = 0; c0 < count; c0 += TP) {
-    const int cs = min(TP, count - c0);
-    const bf16* xr[TP];
-#pragma unroll
-    for (int c = 0; c < TP; ++c) {
-      const i64 q = first + c0 + (c < cs ? c : 0);
-      xr[c] = x + (x_rows != nullptr ? x_rows[q] : q) * k;
-    }
-    float acc[TP];
-#pragma unroll
-    for (int c = 0; c < TP; ++c)
-      acc[c] = 0.0f;
-    for (int k0 = lane * 8; k0 < k; k0 += 256) {
-      float wf[8];
-      unpack8(*reinterpret_cast<const uint4*>(wr + k0), wf);
-#pragma unroll
-      for (int c = 0; c < TP; ++c) {
-        if (c < cs) {
-          float xf[8];
-          unpack8(*reinterpret_cast<const uint4*>(xr[c] + k0), xf);
-#pragma unroll
-          for (int j = 0; j < 8; ++j)
-            acc[c] += wf[j] * xf[j];
-        }
-      }
-    }
-#pragma unroll
-    for (int c = 0; c < TP; ++c) {
-      if (c < cs) {
-        const float s = warp_sum(acc[c]);
-        if (lane == 0)
-          y[static_cast<i64>(first + c0 + c) * n + row] = to_bf(s);
-      }
-    }
-  }
+  gemv_row<KC>(w + (static_cast<i64>(e) * n + row) * k, x, x_rows, first, count, y, n, row, k);
+}
+
+template <int KC>
+void launch_gemv(const gemv_args& a, cudaStream_t s) {
+  const dim3 grid(a.copies, (a.n + gemv_rows_per_block - 1) / gemv_rows_per_block);
+  launch("expert_gemv", expert_gemv_kernel<KC>, grid, dim3(gemv_rows_per_block * 32), s,
+         static_cast<const bf16*>(a.x), a.x_rows, static_cast<const bf16*>(a.w), a.ids, a.order,
+         a.counts, a.offsets, static_cast<bf16*>(a.y), a.n, a.k);
 }
 
 // ------------------------------------------------------------------ elementwise
@@ -329,11 +296,8 @@ bool expert_gemv_supported(std::int64_t copies, std::int64_t k, std::int64_t max
 }
 
 void expert_gemv(const gemv_args& a, void* stream) {
-  const dim3 grid(a.copies, (a.n + gemv_rows_per_block - 1) / gemv_rows_per_block);
-  launch("expert_gemv", expert_gemv_kernel, grid, dim3(gemv_rows_per_block * 32),
-         as_stream(stream), static_cast<const bf16*>(a.x), a.x_rows,
-         static_cast<const bf16*>(a.w), a.ids, a.order, a.counts, a.offsets,
-         static_cast<bf16*>(a.y), a.n, a.k);
+  const cudaStream_t s = as_stream(stream);
+  with_chunks(a.k, "expert_gemv", [&](auto kc) { launch_gemv<decltype(kc)::value>(a, s); });
 }
 
 void silu_mul(const void* gate_up, void* act, std::int64_t m, int inter, void* stream) {
