@@ -454,9 +454,14 @@ at::Tensor fast_rank_forward::fused_decode_layer_attention(const at::Tensor& qkv
                               static_cast<int>(kv_heads_), static_cast<int>(head_dim_),
                               static_cast<float>(cfg_.rms_norm_eps), stream());
   at::Tensor out = at::empty({n, q_heads_ * head_dim_}, bf_);
+  const int splits = kernels::decode_attention_splits(static_cast<int>(n), static_cast<int>(kv_heads_));
+  at::Tensor partial;
+  if (splits > 1)
+    partial = at::empty({n, q_heads_, splits, head_dim_ + 2}, f32_);
   kernels::decode_attention(q.data_ptr(), kv, in.table.data_ptr<std::int64_t>(),
                             static_cast<int>(in.table.size(1)),
                             in.lengths.data_ptr<std::int64_t>(), out.data_ptr(),
+                            splits > 1 ? partial.data_ptr<float>() : nullptr, splits,
                             static_cast<int>(n), static_cast<int>(q_heads_),
                             static_cast<int>(kv_heads_), static_cast<int>(head_dim_), stream());
   return out;

@@ -128,7 +128,8 @@ template <int D, int G, int NW>
 __global__ void __launch_bounds__(NW * 32)
   decode_attention_kernel(const bf16* __restrict__ q, kv_target kv, const i64* __restrict__ table,
                           int width, const i64* __restrict__ lengths, bf16* __restrict__ out,
-                          int hq, int hkv, float scale) {
+                          float* __restrict__ partial, int splits, int hq, int hkv,
+                          float scale) {
   pdl_enter();
   constexpr int DPL = D / 32; // head dims per lane in P.V
   constexpr int TILE = 32;
@@ -141,6 +142,7 @@ __global__ void __launch_bounds__(NW * 32)
   float* ps = qs + G * D;
   const int b = blockIdx.x;
   const int h = blockIdx.y;     // the KV head
+  const int split = blockIdx.z; // this block's share of the tiles
   const int head0 = h * G;      // its first query head
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -162,7 +164,9 @@ __global__ void __launch_bounds__(NW * 32)
   float* pw = ps + warp * G * TILE;
   bf16* vw = vs + warp * TILE * D;
   const i64* row_table = table + static_cast<i64>(b) * width;
-  for (i64 base = static_cast<i64>(warp) * TILE; base < length; base += NW * TILE) {
+  const i64 stride = static_cast<i64>(splits) * NW * TILE;
+  for (i64 base = (split + static_cast<i64>(splits) * warp) * TILE; base < length;
+       base += stride) {
     const i64 p = base + lane;
     const bool valid = p < length;
     float s[G];
@@ -264,29 +268,72 @@ __global__ void __launch_bounds__(NW * 32)
       total += sl[w * G + g] * f;
       value += sacc[(w * G + g) * D + c] * f;
     }
-    out[(static_cast<i64>(b) * hq + head0 + g) * D + c] = to_bf(value / total);
+    if (splits == 1) {
+      out[(static_cast<i64>(b) * hq + head0 + g) * D + c] = to_bf(value / total);
+    } else { // this split's (max, sum, unnormalized P.V): attention_merge_kernel merges them
+      float* part = partial + ((static_cast<i64>(b) * hq + head0 + g) * splits + split) * (D + 2);
+      part[2 + c] = value;
+      if (c == 0) {
+        part[0] = mx;
+        part[1] = total;
+      }
+    }
   }
 }
 
+// One block per (sequence, query head), one thread per head dim: the splits' partial results
+// (max, sum, P.V) merged into the normalized output. A split that saw no position has max -inf.
+template <int D>
+__global__ void attention_merge_kernel(const float* __restrict__ partial, bf16* __restrict__ out,
+                                       int hq, int splits) {
+  pdl_enter();
+  const int c = threadIdx.x;
+  const i64 head = static_cast<i64>(blockIdx.x) * hq + blockIdx.y;
+  const float* part = partial + head * splits * (D + 2);
+  float mx = -INFINITY;
+  for (int sp = 0; sp < splits; ++sp)
+    mx = fmaxf(mx, part[sp * (D + 2)]);
+  float total = 0.0f, value = 0.0f;
+  for (int sp = 0; sp < splits; ++sp) {
+    const float ms = part[sp * (D + 2)];
+    const float f = ms == -INFINITY ? 0.0f : expf(ms - mx);
+    total += part[sp * (D + 2) + 1] * f;
+    value += part[sp * (D + 2) + 2 + c] * f;
+  }
+  out[head * D + c] = to_bf(value / total);
+}
+
+struct attention_call {
+  const void* q;
+  kv_target kv;
+  const i64* table;
+  int width;
+  const i64* lengths;
+  void* out;
+  float* partial;
+  int splits, b, hq, hkv;
+};
+
 template <int D, int G>
-void launch_attention(const void* q, kv_target kv, const i64* table, int width, const i64* lengths,
-                      void* out, int b, int hq, int hkv, cudaStream_t s) {
+void launch_attention(const attention_call& a, cudaStream_t s) {
   constexpr int NW = 4;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  launch("decode_attention", decode_attention_kernel<D, G, NW>, dim3(b, hkv), dim3(NW * 32), s,
-         static_cast<const bf16*>(q), kv, table, width, lengths, static_cast<bf16*>(out), hq, hkv,
-         scale);
+  launch("decode_attention", decode_attention_kernel<D, G, NW>, dim3(a.b, a.hkv, a.splits),
+         dim3(NW * 32), s, static_cast<const bf16*>(a.q), a.kv, a.table, a.width, a.lengths,
+         static_cast<bf16*>(a.out), a.partial, a.splits, a.hq, a.hkv, scale);
+  if (a.splits > 1)
+    launch("decode_attention merge", attention_merge_kernel<D>, dim3(a.b, a.hq), dim3(D), s,
+           static_cast<const float*>(a.partial), static_cast<bf16*>(a.out), a.hq, a.splits);
 }
 
 template <int D>
-void dispatch_group(int group, const void* q, kv_target kv, const i64* table, int width,
-                    const i64* lengths, void* out, int b, int hq, int hkv, cudaStream_t s) {
+void dispatch_group(int group, const attention_call& a, cudaStream_t s) {
   switch (group) {
-    case 1: return launch_attention<D, 1>(q, kv, table, width, lengths, out, b, hq, hkv, s);
-    case 2: return launch_attention<D, 2>(q, kv, table, width, lengths, out, b, hq, hkv, s);
-    case 4: return launch_attention<D, 4>(q, kv, table, width, lengths, out, b, hq, hkv, s);
-    case 8: return launch_attention<D, 8>(q, kv, table, width, lengths, out, b, hq, hkv, s);
-    case 16: return launch_attention<D, 16>(q, kv, table, width, lengths, out, b, hq, hkv, s);
+    case 1: return launch_attention<D, 1>(a, s);
+    case 2: return launch_attention<D, 2>(a, s);
+    case 4: return launch_attention<D, 4>(a, s);
+    case 8: return launch_attention<D, 8>(a, s);
+    case 16: return launch_attention<D, 16>(a, s);
   }
   throw std::invalid_argument("decode_attention: unsupported group " + std::to_string(group));
 }
@@ -350,17 +397,31 @@ bool decode_attention_supported(int d, int group) {
                                    || group == 16);
 }
 
+int decode_attention_splits(int b, int hkv) {
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess
+      || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+    throw std::runtime_error("decode_attention: cannot read the device's multiprocessor count");
+  const int blocks = b * hkv;
+  const int want = (2 * sms + blocks - 1) / blocks; // ~2 blocks per SM
+  return want < 1 ? 1 : (want > max_attention_splits ? max_attention_splits : want);
+}
+
 void decode_attention(const void* q, kv_target kv, const std::int64_t* table, int width,
-                      const std::int64_t* lengths, void* out, int b, int hq, int hkv, int d,
-                      void* stream) {
+                      const std::int64_t* lengths, void* out, float* partial, int splits, int b,
+                      int hq, int hkv, int d, void* stream) {
+  if (splits < 1 || splits > max_attention_splits || (splits > 1 && partial == nullptr))
+    throw std::invalid_argument("decode_attention: " + std::to_string(splits)
+                                + " splits (1.." + std::to_string(max_attention_splits)
+                                + ", a partial buffer when > 1)");
+  const attention_call a{q, kv, table, width, lengths, out, partial, splits, b, hq, hkv};
   const int group = hq / hkv;
   if (d == 64)
-    dispatch_group<64>(group, q, kv, table, width, lengths, out, b, hq, hkv, as_stream(stream));
+    dispatch_group<64>(group, a, as_stream(stream));
   else if (d == 128)
-    dispatch_group<128>(group, q, kv, table, width, lengths, out, b, hq, hkv, as_stream(stream));
+    dispatch_group<128>(group, a, as_stream(stream));
   else
     throw std::invalid_argument("decode_attention: unsupported head_dim " + std::to_string(d));
-  check("decode_attention");
 }
 
 bool dense_gemv_supported(std::int64_t m, std::int64_t k) {

@@ -45,10 +45,17 @@ void set_programmatic_launch(bool on);
 
 // Decode attention over the paged cache: q bf16 [b, hq, d]; table int64 [b, width]; lengths
 // int64 [b]; out bf16 [b, hq * d]. Supports d in {64, 128} and hq / hkv in {1, 2, 4, 8, 16}.
+// The positions of a sequence are split over `splits` blocks per KV head (flash-decoding), their
+// partial results (partial: fp32 [b, hq, splits, d + 2]) merged by a second kernel; splits 1
+// needs no partial buffer and no merge. decode_attention_splits(b, hkv) is the count for batch
+// b on the current device (~2 blocks per SM, at most max_attention_splits): it depends only on
+// b, so a CUDA graph captured at b splits as the eager step does.
+inline constexpr int max_attention_splits = 16;
 bool decode_attention_supported(int d, int group);
+int decode_attention_splits(int b, int hkv);
 void decode_attention(const void* q, kv_target kv, const std::int64_t* table, int width,
-                      const std::int64_t* lengths, void* out, int b, int hq, int hkv, int d,
-                      void* stream);
+                      const std::int64_t* lengths, void* out, float* partial, int splits, int b,
+                      int hq, int hkv, int d, void* stream);
 
 // Router: logits bf16 [n, e] -> softmax (fp32) -> the top_k experts (ties: lower id), their
 // probabilities renormalized when `renormalize`: ids int64 [n, top_k], weights fp32 [n, top_k].
