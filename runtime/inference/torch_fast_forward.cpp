@@ -99,8 +99,6 @@ fast_rank_forward::fast_rank_forward(const rank_forward_options& o)
   fused_ = device_.is_cuda() && o.fused_kernels;
   fused_decode_attention_ = kernels::decode_attention_supported(
     static_cast<int>(head_dim_), static_cast<int>(q_heads_ / kv_heads_));
-  if (fused_ && fused_decode_attention_)
-    attention_counters_ = at::zeros({kernels::attention_counter_slots}, i64_.dtype(at::kInt));
 #endif
   gemv_max_copies_ = copies_knob("REFIT_EXPERT_GEMV_MAX_COPIES", gemv_max_copies_);
   [[maybe_unused]] const bool programmatic = flag_knob("REFIT_PDL", true);

@@ -287,9 +287,6 @@ private:
   bool device_comm_ = false;            // tp > 1 on a GPU with a device comm (NCCL)
   bool fused_ = false;                  // the fused CUDA kernels (torch_kernels.cu)
   bool fused_decode_attention_ = false; // their decode attention supports this shape
-  // int32 zeros, one per (sequence, KV head) of a split decode attention: the kernel's arrival
-  // counters, left at zero by every launch (kernels::decode_attention).
-  at::Tensor attention_counters_;
   // Routed copies up to which a step uses the expert GEMV instead of the grouped GEMM
   // (REFIT_EXPERT_GEMV_MAX_COPIES overrides it, for tuning).
   std::int64_t gemv_max_copies_ = 8; // H200, Qwen3-30B-A3B: the grouped GEMM wins from batch 2

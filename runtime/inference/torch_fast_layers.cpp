@@ -324,9 +324,10 @@ at::Tensor fast_rank_forward::experts(const layer_tensors& w, const at::Tensor& 
   }
 
   // The expert GEMV (few copies per expert) or the grouped GEMM over the sorted copies.
+  [[maybe_unused]] const auto gemv = [&](const at::Tensor& in, const at::Tensor* rows,
+                                         const at::Tensor& weight) {
+    at::Tensor out = at::empty({copies, weight.size(1)}, bf_);
 #if defined(REFIT_TORCH_CUDA)
-  const auto gemv_args_for = [&](const at::Tensor& in, const at::Tensor* rows,
-                                 const at::Tensor& weight, void* y) {
     kernels::gemv_args a;
     a.x = in.data_ptr();
     a.x_rows = rows != nullptr ? rows->data_ptr<std::int64_t>() : nullptr;
@@ -335,51 +336,32 @@ at::Tensor fast_rank_forward::experts(const layer_tensors& w, const at::Tensor& 
     a.order = order.data_ptr<std::int64_t>();
     a.counts = counts.data_ptr<std::int64_t>();
     a.offsets = offsets.data_ptr<int>();
-    a.y = y;
+    a.y = out.data_ptr();
     a.copies = static_cast<int>(copies);
     a.n = static_cast<int>(weight.size(1));
     a.k = static_cast<int>(weight.size(2));
-    return a;
-  };
-#endif
-  [[maybe_unused]] const auto gemv = [&](const at::Tensor& in, const at::Tensor* rows,
-                                         const at::Tensor& weight) {
-    at::Tensor out = at::empty({copies, weight.size(1)}, bf_);
-#if defined(REFIT_TORCH_CUDA)
-    kernels::expert_gemv(gemv_args_for(in, rows, weight, out.data_ptr()), stream());
+    kernels::expert_gemv(a, stream());
 #endif
     return out;
   };
-  bool gemv_up = false, gemv_down = false, gemv_silu = false;
+  bool gemv_up = false, gemv_down = false;
 #if defined(REFIT_TORCH_CUDA)
   gemv_up = fused_ && kernels::expert_gemv_supported(copies, w.w13.size(2), gemv_max_copies_);
   gemv_down = fused_ && kernels::expert_gemv_supported(copies, w.w2.size(2), gemv_max_copies_);
-  gemv_silu = gemv_up
-              && kernels::expert_gemv_silu_supported(copies, w.w13.size(2), gemv_max_copies_);
 #endif
+  // gate_up: the GEMV reads the token rows of h itself; the grouped GEMM takes them gathered.
+  const at::Tensor gate_up = gemv_up ? gemv(h, &src_token, w.w13)
+                                     : grouped(h.index_select(0, src_token), w.w13, counts, offsets);
   at::Tensor act;
 #if defined(REFIT_TORCH_CUDA)
-  if (gemv_silu) { // gate_up and SiLU x up in one kernel, the token rows of h read in place
+  if (fused_) {
     act = at::empty({copies, inter_}, bf_);
-    kernels::expert_gemv_silu(gemv_args_for(h, &src_token, w.w13, nullptr), act.data_ptr(),
-                              stream());
+    kernels::silu_mul(gate_up.data_ptr(), act.data_ptr(), copies, static_cast<int>(inter_),
+                      stream());
   }
 #endif
-  if (!act.defined()) {
-    // gate_up: the GEMV reads the token rows of h itself; the grouped GEMM takes them gathered.
-    const at::Tensor gate_up = gemv_up
-                                 ? gemv(h, &src_token, w.w13)
-                                 : grouped(h.index_select(0, src_token), w.w13, counts, offsets);
-#if defined(REFIT_TORCH_CUDA)
-    if (fused_) {
-      act = at::empty({copies, inter_}, bf_);
-      kernels::silu_mul(gate_up.data_ptr(), act.data_ptr(), copies, static_cast<int>(inter_),
-                        stream());
-    }
-#endif
-    if (!act.defined())
-      act = at::silu(gate_up.narrow(1, 0, inter_)) * gate_up.narrow(1, inter_, inter_);
-  }
+  if (!act.defined())
+    act = at::silu(gate_up.narrow(1, 0, inter_)) * gate_up.narrow(1, inter_, inter_);
   const at::Tensor ys =
     gemv_down ? gemv(act, nullptr, w.w2) : grouped(act, w.w2, counts, offsets);
 #if defined(REFIT_TORCH_CUDA)
@@ -479,8 +461,7 @@ at::Tensor fast_rank_forward::fused_decode_layer_attention(const at::Tensor& qkv
   kernels::decode_attention(q.data_ptr(), kv, in.table.data_ptr<std::int64_t>(),
                             static_cast<int>(in.table.size(1)),
                             in.lengths.data_ptr<std::int64_t>(), out.data_ptr(),
-                            splits > 1 ? partial.data_ptr<float>() : nullptr,
-                            attention_counters_.data_ptr<int>(), splits,
+                            splits > 1 ? partial.data_ptr<float>() : nullptr, splits,
                             static_cast<int>(n), static_cast<int>(q_heads_),
                             static_cast<int>(kv_heads_), static_cast<int>(head_dim_), stream());
   return out;

@@ -128,17 +128,15 @@ template <int D, int G, int NW>
 __global__ void __launch_bounds__(NW * 32)
   decode_attention_kernel(const bf16* __restrict__ q, kv_target kv, const i64* __restrict__ table,
                           int width, const i64* __restrict__ lengths, bf16* __restrict__ out,
-                          float* __restrict__ partial, int* __restrict__ counters, int splits,
-                          int hq, int hkv, float scale) {
+                          float* __restrict__ partial, int splits, int hq, int hkv,
+                          float scale) {
   pdl_enter();
   constexpr int DPL = D / 32; // head dims per lane in P.V
   constexpr int TILE = 32;
   constexpr int P1 = NW * TILE * D * 2 + (G * D + NW * G * TILE) * 4; // V tiles, q, p
   constexpr int P2 = (2 * NW * G + NW * G * D) * 4;                    // the combine
-  constexpr int P3 = P2 + 16;                                          // + the merge flag
-  static_assert(P1 <= 48 * 1024 && P3 <= 48 * 1024, "decode attention: shared memory");
-  __shared__ __align__(16) unsigned char smem[P1 > P3 ? P1 : P3];
-  int& merge_here = *reinterpret_cast<int*>(smem + P2); // past the combine's arrays
+  static_assert(P1 <= 48 * 1024 && P2 <= 48 * 1024, "decode attention: shared memory");
+  __shared__ __align__(16) unsigned char smem[P1 > P2 ? P1 : P2];
   bf16* vs = reinterpret_cast<bf16*>(smem);
   float* qs = reinterpret_cast<float*>(smem + NW * TILE * D * 2);
   float* ps = qs + G * D;
@@ -272,7 +270,7 @@ __global__ void __launch_bounds__(NW * 32)
     }
     if (splits == 1) {
       out[(static_cast<i64>(b) * hq + head0 + g) * D + c] = to_bf(value / total);
-    } else { // this split's (max, sum, unnormalized P.V), merged by the last split to finish
+    } else { // this split's (max, sum, unnormalized P.V): attention_merge_kernel merges them
       float* part = partial + ((static_cast<i64>(b) * hq + head0 + g) * splits + split) * (D + 2);
       part[2 + c] = value;
       if (c == 0) {
@@ -281,37 +279,28 @@ __global__ void __launch_bounds__(NW * 32)
       }
     }
   }
-  if (splits == 1)
-    return;
-  // The last of the KV head's splits (counted on counters[b, h], which it resets) merges them
-  // all, in split order: the result does not depend on which block came last.
-  __threadfence();
-  __syncthreads();
-  int* counter = counters + static_cast<i64>(b) * hkv + h;
-  if (threadIdx.x == 0)
-    merge_here = atomicAdd(counter, 1) == splits - 1;
-  __syncthreads();
-  if (!merge_here)
-    return;
-  __threadfence();
-  for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
-    const int g = idx / D;
-    const int c = idx % D;
-    const float* part = partial + (static_cast<i64>(b) * hq + head0 + g) * splits * (D + 2);
-    float mx = -INFINITY;
-    for (int sp = 0; sp < splits; ++sp)
-      mx = fmaxf(mx, __ldcg(part + sp * (D + 2)));
-    float total = 0.0f, value = 0.0f;
-    for (int sp = 0; sp < splits; ++sp) { // a split that saw no position has max -inf
-      const float ms = __ldcg(part + sp * (D + 2));
-      const float f = ms == -INFINITY ? 0.0f : expf(ms - mx);
-      total += __ldcg(part + sp * (D + 2) + 1) * f;
-      value += __ldcg(part + sp * (D + 2) + 2 + c) * f;
-    }
-    out[(static_cast<i64>(b) * hq + head0 + g) * D + c] = to_bf(value / total);
+}
+
+// One block per (sequence, query head), one thread per head dim: the splits' partial results
+// (max, sum, P.V) merged into the normalized output. A split that saw no position has max -inf.
+template <int D>
+__global__ void attention_merge_kernel(const float* __restrict__ partial, bf16* __restrict__ out,
+                                       int hq, int splits) {
+  pdl_enter();
+  const int c = threadIdx.x;
+  const i64 head = static_cast<i64>(blockIdx.x) * hq + blockIdx.y;
+  const float* part = partial + head * splits * (D + 2);
+  float mx = -INFINITY;
+  for (int sp = 0; sp < splits; ++sp)
+    mx = fmaxf(mx, part[sp * (D + 2)]);
+  float total = 0.0f, value = 0.0f;
+  for (int sp = 0; sp < splits; ++sp) {
+    const float ms = part[sp * (D + 2)];
+    const float f = ms == -INFINITY ? 0.0f : expf(ms - mx);
+    total += part[sp * (D + 2) + 1] * f;
+    value += part[sp * (D + 2) + 2 + c] * f;
   }
-  if (threadIdx.x == 0)
-    *counter = 0;
+  out[head * D + c] = to_bf(value / total);
 }
 
 struct attention_call {
@@ -322,7 +311,6 @@ struct attention_call {
   const i64* lengths;
   void* out;
   float* partial;
-  int* counters;
   int splits, b, hq, hkv;
 };
 
@@ -332,7 +320,10 @@ void launch_attention(const attention_call& a, cudaStream_t s) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   launch("decode_attention", decode_attention_kernel<D, G, NW>, dim3(a.b, a.hkv, a.splits),
          dim3(NW * 32), s, static_cast<const bf16*>(a.q), a.kv, a.table, a.width, a.lengths,
-         static_cast<bf16*>(a.out), a.partial, a.counters, a.splits, a.hq, a.hkv, scale);
+         static_cast<bf16*>(a.out), a.partial, a.splits, a.hq, a.hkv, scale);
+  if (a.splits > 1)
+    launch("decode_attention merge", attention_merge_kernel<D>, dim3(a.b, a.hq), dim3(D), s,
+           static_cast<const float*>(a.partial), static_cast<bf16*>(a.out), a.hq, a.splits);
 }
 
 template <int D>
@@ -413,23 +404,17 @@ int decode_attention_splits(int b, int hkv) {
     throw std::runtime_error("decode_attention: cannot read the device's multiprocessor count");
   const int blocks = b * hkv;
   const int want = (2 * sms + blocks - 1) / blocks; // ~2 blocks per SM
-  if (want <= 1 || blocks > attention_counter_slots)
-    return 1;
-  return want > max_attention_splits ? max_attention_splits : want;
+  return want < 1 ? 1 : (want > max_attention_splits ? max_attention_splits : want);
 }
 
 void decode_attention(const void* q, kv_target kv, const std::int64_t* table, int width,
-                      const std::int64_t* lengths, void* out, float* partial, int* counters,
-                      int splits, int b, int hq, int hkv, int d, void* stream) {
-  if (splits < 1 || splits > max_attention_splits
-      || (splits > 1
-          && (partial == nullptr || counters == nullptr || b * hkv > attention_counter_slots)))
-    throw std::invalid_argument("decode_attention: " + std::to_string(splits) + " splits (1.."
-                                + std::to_string(max_attention_splits)
-                                + "; when > 1 a partial buffer and zeroed counters for "
-                                + std::to_string(b * hkv) + " of at most "
-                                + std::to_string(attention_counter_slots) + " KV heads)");
-  const attention_call a{q, kv, table, width, lengths, out, partial, counters, splits, b, hq, hkv};
+                      const std::int64_t* lengths, void* out, float* partial, int splits, int b,
+                      int hq, int hkv, int d, void* stream) {
+  if (splits < 1 || splits > max_attention_splits || (splits > 1 && partial == nullptr))
+    throw std::invalid_argument("decode_attention: " + std::to_string(splits)
+                                + " splits (1.." + std::to_string(max_attention_splits)
+                                + ", a partial buffer when > 1)");
+  const attention_call a{q, kv, table, width, lengths, out, partial, splits, b, hq, hkv};
   const int group = hq / hkv;
   if (d == 64)
     dispatch_group<64>(group, a, as_stream(stream));

@@ -45,19 +45,17 @@ void set_programmatic_launch(bool on);
 
 // Decode attention over the paged cache: q bf16 [b, hq, d]; table int64 [b, width]; lengths
 // int64 [b]; out bf16 [b, hq * d]. Supports d in {64, 128} and hq / hkv in {1, 2, 4, 8, 16}.
-// The positions of a sequence are split over `splits` blocks per KV head (flash-decoding); each
-// writes its partial result (partial: fp32 [b, hq, splits, d + 2]) and the last of a KV head's
-// splits to finish, counted on counters[b * hkv + h] (int32, zero, reset to zero by that block),
-// merges them in split order. splits 1 needs neither. decode_attention_splits(b, hkv) is the count for batch
+// The positions of a sequence are split over `splits` blocks per KV head (flash-decoding), their
+// partial results (partial: fp32 [b, hq, splits, d + 2]) merged by a second kernel; splits 1
+// needs no partial buffer and no merge. decode_attention_splits(b, hkv) is the count for batch
 // b on the current device (~2 blocks per SM, at most max_attention_splits): it depends only on
 // b, so a CUDA graph captured at b splits as the eager step does.
 inline constexpr int max_attention_splits = 16;
-inline constexpr int attention_counter_slots = 4096; // b * hkv of a split decode step
 bool decode_attention_supported(int d, int group);
 int decode_attention_splits(int b, int hkv);
 void decode_attention(const void* q, kv_target kv, const std::int64_t* table, int width,
-                      const std::int64_t* lengths, void* out, float* partial, int* counters,
-                      int splits, int b, int hq, int hkv, int d, void* stream);
+                      const std::int64_t* lengths, void* out, float* partial, int splits, int b,
+                      int hq, int hkv, int d, void* stream);
 
 // Router: logits bf16 [n, e] -> softmax (fp32) -> the top_k experts (ties: lower id), their
 // probabilities renormalized when `renormalize`: ids int64 [n, top_k], weights fp32 [n, top_k].
@@ -96,11 +94,6 @@ struct gemv_args {
 };
 bool expert_gemv_supported(std::int64_t copies, std::int64_t k, std::int64_t max_copies);
 void expert_gemv(const gemv_args& args, void* stream);
-// The gate/up projection (args.w [experts, 2 inter, k]: gate rows, then up rows; args.n = 2 inter)
-// with SiLU(gate) x up fused: act bf16 [copies, inter], bit-identical to expert_gemv + silu_mul.
-// Where expert_gemv is supported and k <= 2048 (two weight rows per lane in registers).
-bool expert_gemv_silu_supported(std::int64_t copies, std::int64_t k, std::int64_t max_copies);
-void expert_gemv_silu(const gemv_args& args, void* act, void* stream);
 
 // act bf16 [m, i] = silu(gate) * up of gate_up bf16 [m, 2i] (fp32 math).
 void silu_mul(const void* gate_up, void* act, std::int64_t m, int i, void* stream);

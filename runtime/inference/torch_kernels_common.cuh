@@ -130,66 +130,43 @@ constexpr int gemv_max_chunks = 16;              // 16-byte chunks per lane: k <
 constexpr int gemv_max_k = gemv_max_chunks * 256;
 constexpr int gemv_rows_per_block = 8;           // one warp per output row
 
-// One warp, R weight rows wr[0..R): for q in [first, first + count) with x-row(q) = x[x_rows[q]]
-// (x_rows set) or x[q], out(q, sums) on lane 0 with sums[r] = wr[r] . x-row(q) in fp32. Each lane
-// first loads its KC 16-byte chunks of every row (columns lane * 8 + j * 256) into registers,
-// all in flight at once, then dots them with each x row in turn (from L1/L2). (Streaming the
-// row once per pass of copies, one load in flight per lane, reached ~25% of DRAM bandwidth at
-// batch 1 under Nsight Compute.)
-template <int KC, int R, class Out>
-__device__ __forceinline__ void gemv_rows(const bf16* const (&wr)[R], const bf16* __restrict__ x,
-                                          const i64* __restrict__ x_rows, i64 first, int count,
-                                          int k, Out out) {
-  const int lane = threadIdx.x & 31;
-  uint4 wv[R][KC];
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int j = 0; j < KC; ++j) {
-      const int k0 = lane * 8 + j * 256;
-      if (k0 < k)
-        wv[r][j] = __ldg(reinterpret_cast<const uint4*>(wr[r] + k0));
-    }
-  for (int c = 0; c < count; ++c) {
-    const i64 q = first + c;
-    const bf16* xr = x + (x_rows != nullptr ? x_rows[q] : q) * k;
-    float acc[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-      acc[r] = 0.0f;
-#pragma unroll
-    for (int j = 0; j < KC; ++j) {
-      const int k0 = lane * 8 + j * 256;
-      if (k0 < k) {
-        float xf[8];
-        unpack8(*reinterpret_cast<const uint4*>(xr + k0), xf);
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          float wf[8];
-          unpack8(wv[r][j], wf);
-#pragma unroll
-          for (int i = 0; i < 8; ++i)
-            acc[r] += wf[i] * xf[i];
-        }
-      }
-    }
-    float sums[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-      sums[r] = warp_sum(acc[r]);
-    if (lane == 0)
-      out(q, sums);
-  }
-}
-
-// One row: y[q * n + row] = bf16(W-row . x-row(q)).
+// One warp: y[q * n + row] = W-row . x-row(q) for q in [first, first + count), x-row(q) =
+// x[x_rows[q]] (x_rows set) or x[q], fp32 sums. Each lane first loads its KC 16-byte chunks of
+// the weight row (columns lane * 8 + j * 256) into registers, all in flight at once, then dots
+// them with each x row in turn (from L1/L2). (Streaming the row once per pass of copies, one
+// load in flight per lane, reached ~25% of DRAM bandwidth at batch 1 under Nsight Compute.)
 template <int KC>
 __device__ __forceinline__ void gemv_row(const bf16* __restrict__ wr, const bf16* __restrict__ x,
                                          const i64* __restrict__ x_rows, i64 first, int count,
                                          bf16* __restrict__ y, int n, int row, int k) {
-  const bf16* rows[1] = {wr};
-  gemv_rows<KC, 1>(rows, x, x_rows, first, count, k,
-                   [&](i64 q, const float* sums) { y[q * n + row] = to_bf(sums[0]); });
+  const int lane = threadIdx.x & 31;
+  uint4 wv[KC];
+#pragma unroll
+  for (int j = 0; j < KC; ++j) {
+    const int k0 = lane * 8 + j * 256;
+    if (k0 < k)
+      wv[j] = __ldg(reinterpret_cast<const uint4*>(wr + k0));
+  }
+  for (int c = 0; c < count; ++c) {
+    const i64 q = first + c;
+    const bf16* xr = x + (x_rows != nullptr ? x_rows[q] : q) * k;
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < KC; ++j) {
+      const int k0 = lane * 8 + j * 256;
+      if (k0 < k) {
+        float wf[8], xf[8];
+        unpack8(wv[j], wf);
+        unpack8(*reinterpret_cast<const uint4*>(xr + k0), xf);
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          acc += wf[i] * xf[i];
+      }
+    }
+    const float sum = warp_sum(acc);
+    if (lane == 0)
+      y[q * n + row] = to_bf(sum);
+  }
 }
 
 // f(std::integral_constant<int, KC>) for KC = ceil(k / 256) in 1..gemv_max_chunks.

@@ -13,7 +13,6 @@ namespace {
 constexpr int max_experts_per_lane = 8; // experts <= 256
 constexpr int max_bucket_copies = 4096;
 constexpr int max_bucket_experts = 1024;
-constexpr int gemv_silu_max_chunks = 8; // k <= 2048: two weight rows of a lane stay in registers
 
 // ----------------------------------------------------------------------- routing
 
@@ -196,36 +195,6 @@ void launch_gemv(const gemv_args& a, cudaStream_t s) {
          a.counts, a.offsets, static_cast<bf16*>(a.y), a.n, a.k);
 }
 
-// The gate/up GEMV with SiLU x up fused: act[q, c] for the group's copies, one warp per
-// column c < inter holding weight rows c (gate) and inter + c (up). The two sums are rounded to
-// bf16 first, as the GEMV's output is before silu_mul reads it: the results are bit-identical to
-// expert_gemv + silu_mul, one kernel and the [copies, 2 inter] buffer fewer.
-template <int KC>
-__global__ void expert_gemv_silu_kernel(const bf16* __restrict__ x, const i64* __restrict__ x_rows,
-                                        const bf16* __restrict__ w, const i64* __restrict__ ids,
-                                        const i64* __restrict__ order,
-                                        const i64* __restrict__ counts,
-                                        const int* __restrict__ offsets, bf16* __restrict__ act,
-                                        int inter, int k) {
-  pdl_enter();
-  const int p = blockIdx.x;
-  const int e = static_cast<int>(ids[order[p]]);
-  const int count = static_cast<int>(counts[e]);
-  const int first = offsets[e] - count;
-  if (p != first)
-    return;
-  const int c = blockIdx.y * gemv_rows_per_block + (threadIdx.x >> 5);
-  if (c >= inter)
-    return;
-  const bf16* base = w + static_cast<i64>(e) * 2 * inter * k;
-  const bf16* rows[2] = {base + static_cast<i64>(c) * k, base + static_cast<i64>(inter + c) * k};
-  gemv_rows<KC, 2>(rows, x, x_rows, first, count, k, [&](i64 q, const float* sums) {
-    const float g = to_f(to_bf(sums[0]));
-    const float u = to_f(to_bf(sums[1]));
-    act[q * inter + c] = to_bf(g / (1.0f + expf(-g)) * u);
-  });
-}
-
 // ------------------------------------------------------------------ elementwise
 
 __global__ void silu_mul_kernel(const bf16* __restrict__ gate_up, bf16* __restrict__ act, i64 m,
@@ -322,10 +291,6 @@ void bucket(const std::int64_t* ids, int copies, int top_k, int experts, std::in
          copies, top_k, experts, counts, offsets, order, src_token, inverse, loads, loads_n);
 }
 
-bool expert_gemv_silu_supported(std::int64_t copies, std::int64_t k, std::int64_t max_copies) {
-  return expert_gemv_supported(copies, k, max_copies) && k <= gemv_silu_max_chunks * 256;
-}
-
 bool expert_gemv_supported(std::int64_t copies, std::int64_t k, std::int64_t max_copies) {
   return copies >= 1 && copies <= max_copies && k % 8 == 0 && k <= gemv_max_k;
 }
@@ -333,25 +298,6 @@ bool expert_gemv_supported(std::int64_t copies, std::int64_t k, std::int64_t max
 void expert_gemv(const gemv_args& a, void* stream) {
   const cudaStream_t s = as_stream(stream);
   with_chunks(a.k, "expert_gemv", [&](auto kc) { launch_gemv<decltype(kc)::value>(a, s); });
-}
-
-void expert_gemv_silu(const gemv_args& a, void* act, void* stream) {
-  if (a.n % 2 != 0)
-    throw std::invalid_argument("expert_gemv_silu: " + std::to_string(a.n)
-                                + " weight rows are not gate and up halves");
-  const int inter = a.n / 2;
-  const dim3 grid(a.copies, (inter + gemv_rows_per_block - 1) / gemv_rows_per_block);
-  with_chunks(a.k, "expert_gemv_silu", [&](auto kc) {
-    constexpr int KC = decltype(kc)::value;
-    if constexpr (KC <= gemv_silu_max_chunks) // two rows of registers per lane
-      launch("expert_gemv_silu", expert_gemv_silu_kernel<KC>, grid,
-             dim3(gemv_rows_per_block * 32), as_stream(stream), static_cast<const bf16*>(a.x),
-             a.x_rows, static_cast<const bf16*>(a.w), a.ids, a.order, a.counts, a.offsets,
-             static_cast<bf16*>(act), inter, a.k);
-    else
-      throw std::invalid_argument("expert_gemv_silu: k " + std::to_string(a.k) + " is above "
-                                  + std::to_string(gemv_silu_max_chunks * 256));
-  });
 }
 
 void silu_mul(const void* gate_up, void* act, std::int64_t m, int inter, void* stream) {
