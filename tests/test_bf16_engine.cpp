@@ -298,57 +298,48 @@ TEST(Bf16Engine, ScoreOnTheBf16ArenaIsTheFp32Reference) {
 
 } // namespace
 
-// REFIT_PDL (programmatic dependent launch of the CUDA kernels) is 0 or 1; anything else is
-// refused naming the variable when an engine is built, on CPU as on GPU.
-TEST(Bf16Engine, AProgrammaticLaunchKnobThatIsNotZeroOrOneIsRefused) {
+namespace {
+
+// The engine's tuning knobs are environment variables read when an engine is built: each of
+// `bad` must be refused with a message naming `name`=value and saying `why`; each of `good`
+// must be taken (the engine then computes logits).
+void expect_engine_knob(const char* name, std::vector<const char*> bad, const std::string& why,
+                        std::vector<const char*> good) {
   const auto cfg = refit::testing::tiny_model();
   const auto w = engine_synthetic(cfg);
   struct env_guard {
-    ~env_guard() { ::unsetenv("REFIT_PDL"); }
-  } guard;
-  for (const char* bad : {"yes", "2", "1 "}) {
-    ::setenv("REFIT_PDL", bad, 1);
+    const char* name;
+    ~env_guard() { ::unsetenv(name); }
+  } guard{name};
+  for (const char* value : bad) {
+    ::setenv(name, value, 1);
     host_memory mem;
     try {
       auto rig = cpu_rig(mem, cfg, w, model::dtype::bfloat16, 8, 8);
-      ADD_FAILURE() << "REFIT_PDL=" << bad << " was taken";
+      ADD_FAILURE() << name << "=" << value << " was taken";
     } catch (const std::exception& e) {
-      EXPECT_NE(std::string(e.what()).find("REFIT_PDL=" + std::string(bad) + " is not 0 or 1"),
-                std::string::npos)
-        << e.what();
+      const std::string what = e.what();
+      EXPECT_NE(what.find(std::string(name) + "=" + value + why), std::string::npos) << what;
     }
   }
-  for (const char* good : {"0", "1"}) {
-    ::setenv("REFIT_PDL", good, 1);
+  for (const char* value : good) {
+    ::setenv(name, value, 1);
     host_memory mem;
     auto rig = cpu_rig(mem, cfg, w, model::dtype::bfloat16, 8, 8);
-    EXPECT_EQ(rig.logits(engine_prompt(5), 5, 8).size(), std::size_t{5} * cfg.vocab_size);
+    EXPECT_EQ(rig.logits(engine_prompt(9), 9, 8).size(), std::size_t{9} * cfg.vocab_size)
+      << name << "=" << value;
   }
 }
 
-// The expert-GEMV tuning knob (REFIT_EXPERT_GEMV_MAX_COPIES) is read when an engine is built: a
-// value that is not a count is refused naming the variable; a count is taken.
+} // namespace
+
+// REFIT_PDL (programmatic dependent launch of the CUDA kernels) is 0 or 1, on CPU as on GPU.
+TEST(Bf16Engine, AProgrammaticLaunchKnobThatIsNotZeroOrOneIsRefused) {
+  expect_engine_knob("REFIT_PDL", {"yes", "2", "1 "}, " is not 0 or 1", {"0", "1"});
+}
+
+// The expert-GEMV tuning knob (REFIT_EXPERT_GEMV_MAX_COPIES) is a count of routed copies.
 TEST(Bf16Engine, AnExpertGemvKnobThatIsNotACountIsRefusedNamingTheVariable) {
-  const auto cfg = refit::testing::tiny_model();
-  const auto w = engine_synthetic(cfg);
-  struct env_guard {
-    ~env_guard() { ::unsetenv("REFIT_EXPERT_GEMV_MAX_COPIES"); }
-  } guard;
-  for (const char* bad : {"eight", "-1", "12x", "1000001"}) {
-    ::setenv("REFIT_EXPERT_GEMV_MAX_COPIES", bad, 1);
-    host_memory mem;
-    try {
-      auto rig = cpu_rig(mem, cfg, w, model::dtype::bfloat16, 8, 8);
-      ADD_FAILURE() << "REFIT_EXPERT_GEMV_MAX_COPIES=" << bad << " was taken";
-    } catch (const std::exception& e) {
-      const std::string what = e.what();
-      EXPECT_NE(what.find("REFIT_EXPERT_GEMV_MAX_COPIES=" + std::string(bad)), std::string::npos)
-        << what;
-    }
-  }
-  ::setenv("REFIT_EXPERT_GEMV_MAX_COPIES", "0", 1);
-  host_memory mem;
-  auto rig = cpu_rig(mem, cfg, w, model::dtype::bfloat16, 8, 8);
-  const auto tokens = engine_prompt(9);
-  EXPECT_EQ(rig.logits(tokens, 9, 8).size(), std::size_t{9} * cfg.vocab_size);
+  expect_engine_knob("REFIT_EXPERT_GEMV_MAX_COPIES", {"eight", "-1", "12x", "1000001"},
+                     " is not a count", {"0"});
 }

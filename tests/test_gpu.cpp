@@ -81,29 +81,41 @@ TEST(GpuKernels, DigestsMatchTheHostAndSeeOneFlippedBit) {
   }
 }
 
+// n bytes of a pattern on the host and on the device, a zeroed device destination, and what
+// that destination must hold after copies (computed on the host).
+struct copy_rig {
+  copy_rig(std::uint64_t n, unsigned mul, unsigned add)
+    : src(n), dsrc(0, n, "copy source"), ddst(0, n, "copy destination"), want(n, std::byte{0}) {
+    for (std::uint64_t i = 0; i < n; ++i)
+      src[i] = static_cast<std::byte>(i * mul + add);
+    cuda::copy_to_device(0, dsrc.data(), src.data(), n);
+  }
+  void expect(const cuda::copy_desc& c) {
+    for (std::uint64_t r = 0; r < c.rows; ++r)
+      std::memcpy(want.data() + (c.dst - ddst.data()) + r * c.dst_stride,
+                  src.data() + (c.src - dsrc.data()) + r * c.src_stride, c.row_bytes);
+  }
+  std::vector<std::byte> got() const { return to_host(0, ddst.data(), want.size()); }
+  std::vector<std::byte> src;
+  cuda::device_allocation dsrc, ddst;
+  std::vector<std::byte> want;
+};
+
 TEST(GpuKernels, BatchedCopiesMatchStridedHostCopies) {
   REQUIRE_GPUS(1);
-  const std::uint64_t n = 1 << 20;
-  std::vector<std::byte> src(n);
-  for (std::uint64_t i = 0; i < n; ++i)
-    src[i] = static_cast<std::byte>(i * 131 + 7);
-  cuda::device_allocation dsrc(0, n, "copy source"), ddst(0, n, "copy destination");
-  cuda::copy_to_device(0, dsrc.data(), src.data(), n);
+  copy_rig rig(1 << 20, 131, 7);
   // Aligned 16-byte rows, odd 2-byte rows and a byte-granular copy, in one launch.
   std::vector<cuda::copy_desc> copies = {
-    {dsrc.data(), ddst.data(), 4096, 2048, 1024, 100},
-    {dsrc.data() + 2, ddst.data() + 300000, 1000, 998, 998, 50},
-    {dsrc.data() + 1, ddst.data() + 500001, 0, 0, 333333, 1},
+    {rig.dsrc.data(), rig.ddst.data(), 4096, 2048, 1024, 100},
+    {rig.dsrc.data() + 2, rig.ddst.data() + 300000, 1000, 998, 998, 50},
+    {rig.dsrc.data() + 1, rig.ddst.data() + 500001, 0, 0, 333333, 1},
   };
   cuda::stream s(0);
   s.copy_batch(copies);
   s.synchronize();
-  std::vector<std::byte> want(n, std::byte{0});
   for (const auto& c : copies)
-    for (std::uint64_t r = 0; r < c.rows; ++r)
-      std::memcpy(want.data() + (c.dst - ddst.data()) + r * c.dst_stride,
-                  src.data() + (c.src - dsrc.data()) + r * c.src_stride, c.row_bytes);
-  EXPECT_EQ(to_host(0, ddst.data(), n), want);
+    rig.expect(c);
+  EXPECT_EQ(rig.got(), rig.want);
 }
 
 // Batches planned once (direct publication's chunks): a batch launches whole or as a prefix of
@@ -111,37 +123,28 @@ TEST(GpuKernels, BatchedCopiesMatchStridedHostCopies) {
 // ragged tail go through the vector path.
 TEST(GpuKernels, PlannedCopyBatchesLaunchWholeOrAsAPrefix) {
   REQUIRE_GPUS(1);
-  const std::uint64_t n = 4 << 20;
-  std::vector<std::byte> src(n);
-  for (std::uint64_t i = 0; i < n; ++i)
-    src[i] = static_cast<std::byte>(i * 37 + 11);
-  cuda::device_allocation dsrc(0, n, "copy source"), ddst(0, n, "copy destination");
-  cuda::copy_to_device(0, dsrc.data(), src.data(), n);
+  copy_rig rig(4 << 20, 37, 11);
+  std::byte* const src = rig.dsrc.data();
+  std::byte* const dst = rig.ddst.data();
   const std::vector<std::vector<cuda::copy_desc>> batches = {
-    {{dsrc.data(), ddst.data(), 0, 0, (1 << 20) + 48, 1},                   // 17 units
-     {dsrc.data() + 4096, ddst.data() + (2 << 20), 8192, 4096, 4096, 64}},  // strided rows
-    {{dsrc.data() + (3 << 20), ddst.data() + (3 << 20), 0, 0, 65536 * 3, 1},
-     {dsrc.data() + 7, ddst.data() + (3 << 20) + 65536 * 4, 0, 0, 999, 1},  // bytes
-     {dsrc.data(), ddst.data() + (3 << 20) + 65536 * 5, 0, 0, 4096, 1}},
+    {{src, dst, 0, 0, (1 << 20) + 48, 1},                   // 17 units
+     {src + 4096, dst + (2 << 20), 8192, 4096, 4096, 64}},  // strided rows
+    {{src + (3 << 20), dst + (3 << 20), 0, 0, 65536 * 3, 1},
+     {src + 7, dst + (3 << 20) + 65536 * 4, 0, 0, 999, 1},  // bytes
+     {src, dst + (3 << 20) + 65536 * 5, 0, 0, 4096, 1}},
   };
   cuda::copy_plan plan(0, batches);
   ASSERT_EQ(plan.batches(), 2u);
   EXPECT_EQ(plan.copies(1), 3u);
   cuda::stream s(0);
-  s.copy_batch(plan, 1, 2); // the first two copies of batch 1 only
+  s.copy_batch(plan, 1, 2);  // the first two copies of batch 1 only
   s.copy_batch(plan, 0, 99); // a limit past the end: all of batch 0
   s.synchronize();
-  std::vector<std::byte> want(n, std::byte{0});
-  auto apply = [&](const cuda::copy_desc& c) {
-    for (std::uint64_t r = 0; r < c.rows; ++r)
-      std::memcpy(want.data() + (c.dst - ddst.data()) + r * c.dst_stride,
-                  src.data() + (c.src - dsrc.data()) + r * c.src_stride, c.row_bytes);
-  };
   for (const auto& c : batches[0])
-    apply(c);
-  apply(batches[1][0]);
-  apply(batches[1][1]);
-  EXPECT_EQ(to_host(0, ddst.data(), n), want);
+    rig.expect(c);
+  rig.expect(batches[1][0]);
+  rig.expect(batches[1][1]);
+  EXPECT_EQ(rig.got(), rig.want);
   cuda::stream other(0);
   EXPECT_NO_THROW(other.copy_batch(plan, 1, 0)); // nothing to launch
   EXPECT_THROW(other.copy_batch(plan, 2, 1), std::out_of_range);
