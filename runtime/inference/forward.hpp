@@ -28,6 +28,7 @@
 // p % block_size.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -128,6 +129,25 @@ struct rank_forward_options {
   // bf16 engine on a GPU: the fused CUDA kernels of torch_kernels.cu where the shapes allow
   // (false: the same arithmetic as chains of ATen ops; tests compare the two).
   bool fused_kernels = true;
+};
+
+// A TP rank's share of the model's dimensions, the shapes both LibTorch forwards
+// (torch_forward.cpp, the bf16 engine) are written in: its query / KV heads, its expert width
+// and the vocab rows [first_vocab_, first_vocab_ + vocab_rows_) of its lm_head slice.
+class tp_rank_dims {
+protected:
+  explicit tp_rank_dims(const rank_forward_options& o)
+    : hidden_(o.model.hidden_size),
+      head_dim_(o.model.head_dim),
+      q_heads_(o.model.num_attention_heads / o.tp),
+      kv_heads_(std::max<std::uint32_t>(1, o.model.num_key_value_heads / o.tp)),
+      inter_(o.model.moe_intermediate_size / o.tp),
+      experts_(o.model.num_experts),
+      top_k_(o.model.num_experts_per_tok),
+      vocab_rows_((std::int64_t{o.model.vocab_size} + o.tp - 1) / o.tp),
+      first_vocab_(vocab_rows_ * o.rank) {}
+  const std::int64_t hidden_, head_dim_, q_heads_, kv_heads_, inter_, experts_, top_k_;
+  const std::int64_t vocab_rows_, first_vocab_;
 };
 
 // One token to draw from the logits of forward row `row`, with the counter-based stream

@@ -51,17 +51,9 @@ static bool flag_knob(const char* name, bool fallback) {
 }
 
 fast_rank_forward::fast_rank_forward(const rank_forward_options& o)
-  : o_(o),
+  : tp_rank_dims(o),
+    o_(o),
     cfg_(o_.model),
-    hidden_(cfg_.hidden_size),
-    head_dim_(cfg_.head_dim),
-    q_heads_(cfg_.num_attention_heads / o.tp),
-    kv_heads_(std::max<std::uint32_t>(1, cfg_.num_key_value_heads / o.tp)),
-    inter_(cfg_.moe_intermediate_size / o.tp),
-    experts_(cfg_.num_experts),
-    top_k_(cfg_.num_experts_per_tok),
-    vocab_rows_((std::int64_t{cfg_.vocab_size} + o.tp - 1) / o.tp),
-    first_vocab_(vocab_rows_ * o.rank),
     device_(o.cuda_device >= 0
               ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(o.cuda_device))
               : at::Device(at::kCPU)),

@@ -89,7 +89,7 @@ struct step_inputs {
 std::int64_t bucket_of(std::int64_t n);
 std::int64_t pow2_at_least(std::int64_t n);
 
-class fast_rank_forward final : public rank_forward {
+class fast_rank_forward final : public rank_forward, private tp_rank_dims {
 public:
   explicit fast_rank_forward(const rank_forward_options& o);
 
@@ -272,8 +272,6 @@ private:
 
   const rank_forward_options o_;
   const model::model_config& cfg_;
-  const std::int64_t hidden_, head_dim_, q_heads_, kv_heads_, inter_, experts_, top_k_;
-  const std::int64_t vocab_rows_, first_vocab_;
   const at::Device device_;
   const at::TensorOptions bf_, f32_, i64_;
   at::Tensor embed_, final_norm_, lm_head_;

@@ -41,19 +41,12 @@ at::ScalarType scalar_type_of(model::dtype dt) {
   throw std::invalid_argument("torch_forward: unknown dtype");
 }
 
-class torch_rank_forward final : public rank_forward {
+class torch_rank_forward final : public rank_forward, private tp_rank_dims {
 public:
   explicit torch_rank_forward(const rank_forward_options& o)
-    : o_(o),
+    : tp_rank_dims(o),
+      o_(o),
       cfg_(o_.model),
-      hidden_(cfg_.hidden_size),
-      head_dim_(cfg_.head_dim),
-      q_heads_(cfg_.num_attention_heads / o.tp),
-      kv_heads_(std::max<std::uint32_t>(1, cfg_.num_key_value_heads / o.tp)),
-      inter_(cfg_.moe_intermediate_size / o.tp),
-      experts_(cfg_.num_experts),
-      vocab_rows_((std::int64_t{cfg_.vocab_size} + o.tp - 1) / o.tp),
-      first_vocab_(vocab_rows_ * o.rank),
       elem_(element_size(o.weights.dt)),
       scalar_(scalar_type_of(o.weights.dt)),
       device_(o.cuda_device >= 0 ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(o.cuda_device))
@@ -380,14 +373,6 @@ private:
 
   const rank_forward_options o_;
   const model::model_config& cfg_;
-  const std::int64_t hidden_;
-  const std::int64_t head_dim_;
-  const std::int64_t q_heads_;
-  const std::int64_t kv_heads_;
-  const std::int64_t inter_;
-  const std::int64_t experts_;
-  const std::int64_t vocab_rows_;
-  const std::int64_t first_vocab_;
   const std::int64_t elem_;
   const at::ScalarType scalar_;
   const at::Device device_;
