@@ -96,6 +96,26 @@ inline double max_abs_delta(const std::vector<double>& a, const std::vector<doub
   return m;
 }
 
+// The mean of |a[i] - b[i]| (accumulated as sum of |delta| / n).
+inline double mean_abs_delta(const std::vector<double>& a, const std::vector<double>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  const std::size_t n = std::min(a.size(), b.size());
+  double mean = 0.0;
+  for (std::size_t i = 0; i < n; ++i)
+    mean += std::fabs(a[i] - b[i]) / double(n);
+  return mean;
+}
+
+// Log-softmax rows of the fp32 reference forward over the TP-1 residents of `w`: what every
+// engine test measures its gap against.
+inline std::vector<double> reference_logprobs(const model::model_config& cfg,
+                                              const engine_weights& w,
+                                              const std::vector<std::int32_t>& tokens) {
+  const auto residents = inference::scatter_residents(cfg, 1, 0, w.params, w.pointers());
+  return log_softmax_rows(inference::reference_logits(cfg, residents.pointers(), tokens),
+                          cfg.vocab_size);
+}
+
 // A TP-1 forward over residents placed by `place`, with its own KV arena of `blocks` blocks
 // (allocated by `alloc`).
 struct engine_rig {

@@ -25,6 +25,8 @@ using refit::testing::engine_rig;
 using refit::testing::engine_synthetic;
 using refit::testing::log_softmax_rows;
 using refit::testing::max_abs_delta;
+using refit::testing::mean_abs_delta;
+using refit::testing::reference_logprobs;
 
 struct host_memory {
   std::vector<std::vector<std::byte>> blocks;
@@ -57,15 +59,12 @@ TEST(Bf16Engine, LogitsTrackTheFp32ReferenceAndDecodeMatchesPrefill) {
   const auto mixed = log_softmax_rows(rig.logits(tokens, 13, 8), cfg.vocab_size);
   const auto decode = log_softmax_rows(rig.logits(tokens, 1, 8), cfg.vocab_size);
 
-  const auto residents = inf::scatter_residents(cfg, 1, 0, w.params, w.pointers());
-  const auto reference =
-    log_softmax_rows(inf::reference_logits(cfg, residents.pointers(), tokens), cfg.vocab_size);
+  const auto reference = reference_logprobs(cfg, w, tokens);
   const double gap = max_abs_delta(prefill, reference);
-  double mean = 0.0, magnitude = 0.0;
-  for (std::size_t i = 0; i < prefill.size(); ++i) {
-    mean += std::fabs(prefill[i] - reference[i]) / double(prefill.size());
-    magnitude = std::max(magnitude, std::fabs(reference[i]));
-  }
+  const double mean = mean_abs_delta(prefill, reference);
+  double magnitude = 0.0;
+  for (const double r : reference)
+    magnitude = std::max(magnitude, std::fabs(r));
   std::cout << "[ measured ] mean gap " << mean << ", |log-softmax| up to " << magnitude << "\n";
   std::cout << "[ measured ] bf16 engine vs fp32 reference: max |log-softmax delta| " << gap
             << "; decode vs prefill " << max_abs_delta(decode, prefill) << "\n";

@@ -27,6 +27,8 @@ using refit::testing::gpu_memory;
 using refit::testing::gpu_rig;
 using refit::testing::log_softmax_rows;
 using refit::testing::max_abs_delta;
+using refit::testing::mean_abs_delta;
+using refit::testing::reference_logprobs;
 
 #define REQUIRE_GPU() REQUIRE_GPUS(1)
 
@@ -42,14 +44,9 @@ TEST(GpuEngine, FusedKernelsComputeWhatTheAtenPathComputes) {
   auto aten = gpu_rig(mem, cfg, w, model::dtype::bfloat16, 8, 8, true, false);
   const auto a = log_softmax_rows(fused.logits(tokens, 11, 8), cfg.vocab_size);
   const auto b = log_softmax_rows(aten.logits(tokens, 11, 8), cfg.vocab_size);
-  const auto residents = inf::scatter_residents(cfg, 1, 0, w.params, w.pointers());
-  const auto reference =
-    log_softmax_rows(inf::reference_logits(cfg, residents.pointers(), tokens), cfg.vocab_size);
-  double mean_fused = 0.0, mean_aten = 0.0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    mean_fused += std::fabs(a[i] - reference[i]) / double(a.size());
-    mean_aten += std::fabs(b[i] - reference[i]) / double(a.size());
-  }
+  const auto reference = reference_logprobs(cfg, w, tokens);
+  const double mean_fused = mean_abs_delta(a, reference);
+  const double mean_aten = mean_abs_delta(b, reference);
   const double between = max_abs_delta(a, b);
   std::cout << "[ measured ] fused vs ATen: max " << between << "; mean gap to fp32: fused "
             << mean_fused << ", ATen " << mean_aten << "\n";
@@ -70,12 +67,8 @@ TEST(GpuEngine, Bf16LogitsTrackTheFp32ReferenceAndTheCpuEngine) {
   gpu_memory mem;
   auto rig = gpu_rig(mem, cfg, w, model::dtype::bfloat16, 8, 8);
   const auto gpu = log_softmax_rows(rig.logits(tokens, 13, 8), cfg.vocab_size);
-  const auto residents = inf::scatter_residents(cfg, 1, 0, w.params, w.pointers());
-  const auto reference =
-    log_softmax_rows(inf::reference_logits(cfg, residents.pointers(), tokens), cfg.vocab_size);
-  double mean = 0.0;
-  for (std::size_t i = 0; i < gpu.size(); ++i)
-    mean += std::fabs(gpu[i] - reference[i]) / double(gpu.size());
+  const auto reference = reference_logprobs(cfg, w, tokens);
+  const double mean = mean_abs_delta(gpu, reference);
   const double gap = max_abs_delta(gpu, reference);
   std::cout << "[ measured ] GPU bf16 engine vs fp32 reference: max " << gap << " mean " << mean
             << "\n";

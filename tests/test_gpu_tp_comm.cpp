@@ -37,6 +37,8 @@ using refit::testing::gpu_memory;
 using refit::testing::gpu_rig;
 using refit::testing::log_softmax_rows;
 using refit::testing::max_abs_delta;
+using refit::testing::mean_abs_delta;
+using refit::testing::reference_logprobs;
 
 #define REQUIRE_TWO_GPUS() REQUIRE_GPUS(2)
 
@@ -333,14 +335,9 @@ TEST(NcclTpEngine, Tp2LogitsTrackTp1AndTheFp32Reference) {
   tp2_rig two(cfg, w, *comm, 8, 8, true);
   const auto a = log_softmax_rows(one.logits(tokens, 13, 8), cfg.vocab_size);
   const auto b = log_softmax_rows(two.logits(tokens, 13, 8), cfg.vocab_size);
-  const auto residents = inf::scatter_residents(cfg, 1, 0, w.params, w.pointers());
-  const auto reference =
-    log_softmax_rows(inf::reference_logits(cfg, residents.pointers(), tokens), cfg.vocab_size);
-  double mean_tp2 = 0.0, mean_between = 0.0;
-  for (std::size_t i = 0; i < b.size(); ++i) {
-    mean_tp2 += std::fabs(b[i] - reference[i]) / double(b.size());
-    mean_between += std::fabs(a[i] - b[i]) / double(b.size());
-  }
+  const auto reference = reference_logprobs(cfg, w, tokens);
+  const double mean_tp2 = mean_abs_delta(b, reference);
+  const double mean_between = mean_abs_delta(a, b);
   const double between = max_abs_delta(a, b);
   const double gap = max_abs_delta(b, reference);
   std::cout << "[ measured ] TP-2 (NCCL) vs TP-1: max " << between << " mean " << mean_between

@@ -534,16 +534,16 @@ TEST(LocalCollective, VariableLayoutIsByteExactPushedOrPulled) {
     // shards[r][i]: rank r's piece of item i; outs[r][i]: rank r's output of item i.
     std::vector<std::vector<std::vector<std::byte>>> shards(world), outs(world);
     std::vector<std::vector<gather_item>> items(world);
+    std::vector<std::vector<gather_piece>> pieces(which.size()); // item k's pieces, rank order
     for (std::uint32_t r = 0; r < world; ++r) {
       shards[r].resize(which.size());
       outs[r].resize(which.size());
     }
     for (std::size_t k = 0; k < which.size(); ++k) {
       const auto& spec = all[which[k]];
-      std::vector<gather_piece> pieces;
       std::uint64_t offset = 0;
       for (std::uint32_t q = 0; q < world; ++q) {
-        pieces.push_back({offset, spec.bytes[q]});
+        pieces[k].push_back({offset, spec.bytes[q]});
         offset += spec.bytes[q];
       }
       for (std::uint32_t r = 0; r < world; ++r) {
@@ -553,16 +553,9 @@ TEST(LocalCollective, VariableLayoutIsByteExactPushedOrPulled) {
       }
     }
     for (std::uint32_t r = 0; r < world; ++r)
-      for (std::size_t k = 0; k < which.size(); ++k) {
-        const auto& spec = all[which[k]];
-        std::vector<gather_piece> pieces;
-        std::uint64_t offset = 0;
-        for (std::uint32_t q = 0; q < world; ++q) {
-          pieces.push_back({offset, spec.bytes[q]});
-          offset += spec.bytes[q];
-        }
-        items[r].emplace_back(shards[r][k].data(), spec.bytes[r], outs[r][k].data(), pieces);
-      }
+      for (std::size_t k = 0; k < which.size(); ++k)
+        items[r].emplace_back(shards[r][k].data(), all[which[k]].bytes[r], outs[r][k].data(),
+                              pieces[k]);
     local_collective coll(world);
     const auto statuses = run_ranks(world, [&](std::uint32_t r) {
       return coll.all_gather(r, items[r], clock_type::now() + 10s);
