@@ -216,6 +216,32 @@ TEST_F(DirectPublication, AFailedCopyOnOneRankPoisonsAndNothingStaysOpen) {
   EXPECT_LE(fd_count(), fds_before);
 }
 
+// Direct mode plans every chunk's moves in prepare by walking the exporter's stream against the
+// plan; where the stream leaves the plan (a dropped tensor, a bent shape) planning stops and
+// materialize names the tensor at that chunk, before anything of it is written. The runtime is
+// poisoned, nothing stays open and the next publication commits.
+TEST_F(DirectPublication, AnExporterThatLeavesThePlanIsNamedAtItsChunkAndPoisons) {
+  const std::string tensor = "model.layers.1.mlp.experts.2.up_proj.weight";
+  const std::pair<const char*, std::string> cases[] = {
+    {"drop_tensor", "where the plan expects " + tensor},
+    {"wrong_shape", tensor + ": emitted shape"},
+  };
+  for (const auto& [kind, message] : cases) {
+    SCOPED_TRACE(kind);
+    auto c = direct_config(2);
+    c.trainer.faults = {{1, kind, tensor, 0, false}};
+    config::validate(c);
+    start_direct(c);
+    auto pid = runtime_pid();
+    expect_poisoned(publish(1), errc::gate_failed, message, pid);
+    EXPECT_EQ(open_targets_after_release(), 0u);
+    auto again = publish(2);
+    ASSERT_TRUE(again) << render(again.error());
+    expect_direct_result(*again);
+    TearDown(); // a fresh runtime and ranks for the next case
+  }
+}
+
 TEST_F(DirectPublication, TheRuntimeKilledMidWriteCommitsNothing) {
   auto c = direct_config(2);
   c.runtime.faults = {{"update_weights", "sigkill", 1, 1}};
