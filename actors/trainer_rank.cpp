@@ -60,12 +60,16 @@ emitted_tensor emitted_at(const source_view& shards, const rank_session& s, std:
   return out;
 }
 
+namespace {
+
 std::string shape_string(const std::vector<std::int64_t>& shape) {
   std::string out = "[";
   for (std::size_t i = 0; i < shape.size(); ++i)
     out += (i ? ", " : "") + std::to_string(shape[i]);
   return out + "]";
 }
+
+} // namespace
 
 std::string emission_error(const model::param_meta& emitted, const model::param_meta& planned) {
   if (emitted.name != planned.name)

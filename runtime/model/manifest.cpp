@@ -31,7 +31,6 @@ manifest_stream::manifest_stream(std::uint64_t expected_count)
   : ctx_(std::make_unique<context>()), expected_(expected_count) {
   if (!ctx_->md || EVP_DigestInit_ex(ctx_->md, EVP_sha256(), nullptr) != 1)
     throw model_error("manifest", "OpenSSL SHA-256 failed");
-  scratch_.clear();
   put_str(scratch_, "refit.structural_manifest.v1");
   put_u64(scratch_, expected_count);
   update(scratch_);
