@@ -337,6 +337,15 @@ TEST(Bf16Engine, AProgrammaticLaunchKnobThatIsNotZeroOrOneIsRefused) {
   expect_engine_knob("REFIT_PDL", {"yes", "2", "1 "}, " is not 0 or 1", {"0", "1"});
 }
 
+// The tensor-core expert knobs: REFIT_EXPERT_MMA_MAX_COPIES is a count of routed copies,
+// REFIT_EXPERT_MMA_KSPLIT one of the k-splits the kernel has.
+TEST(Bf16Engine, ExpertMmaKnobsOutsideTheirRangesAreRefusedNamingTheVariable) {
+  expect_engine_knob("REFIT_EXPERT_MMA_MAX_COPIES", {"many", "-4", "4096 "}, " is not a count",
+                     {"0", "4096"});
+  expect_engine_knob("REFIT_EXPERT_MMA_KSPLIT", {"3", "16", "-1", "two"},
+                     " is not 0, 1, 2, 4 or 8", {"0", "4"});
+}
+
 // The expert-GEMV tuning knob (REFIT_EXPERT_GEMV_MAX_COPIES) is a count of routed copies.
 TEST(Bf16Engine, AnExpertGemvKnobThatIsNotACountIsRefusedNamingTheVariable) {
   expect_engine_knob("REFIT_EXPERT_GEMV_MAX_COPIES", {"eight", "-1", "12x", "1000001"},

@@ -7,6 +7,8 @@
 #include <deque>
 #include <iostream>
 #include <numeric>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "engine_fixture.hpp"
@@ -32,14 +34,36 @@ using refit::testing::reference_logprobs;
 
 #define REQUIRE_GPU() REQUIRE_GPUS(1)
 
+// Environment variables set while it lives (the engine reads its knobs when it is built).
+struct scoped_env {
+  std::vector<std::string> names;
+  explicit scoped_env(const std::vector<std::pair<std::string, std::string>>& vars) {
+    for (const auto& [name, value] : vars) {
+      ::setenv(name.c_str(), value.c_str(), 1);
+      names.push_back(name);
+    }
+  }
+  ~scoped_env() {
+    for (const auto& n : names)
+      ::unsetenv(n.c_str());
+  }
+  scoped_env(const scoped_env&) = delete;
+  scoped_env& operator=(const scoped_env&) = delete;
+};
+
 // The fused kernels (head_dim 64 reaches every one of them) against the ATen chains and the
-// fp32 reference, over a prefill and 30 decode steps crossing block boundaries.
-TEST(GpuEngine, FusedKernelsComputeWhatTheAtenPathComputes) {
-  REQUIRE_GPU();
+// fp32 reference, over a prefill and 30 decode steps crossing block boundaries. The fused
+// engine is built with REFIT_EXPERT_GEMV_MAX_COPIES = `gemv_copies` and
+// REFIT_EXPERT_MMA_MAX_COPIES = `mma_copies` ("8", "0": the two decode rows' 8 copies take the
+// expert GEMV, the prefill's 328 the grouped GEMM, as by default; "0", "4096": every step takes
+// the tensor-core kernel).
+void expect_fused_matches_aten(const char* gemv_copies, const char* mma_copies) {
   const auto cfg = refit::testing::small_model();
   const auto w = engine_synthetic(cfg);
   const auto tokens = engine_prompt(41, 2, 512);
   gpu_memory mem;
+  const scoped_env env({{"REFIT_EXPERT_GEMV_MAX_COPIES", gemv_copies},
+                        {"REFIT_EXPERT_MMA_MAX_COPIES", mma_copies}}); // the ATen rig ignores them
   auto fused = gpu_rig(mem, cfg, w, model::dtype::bfloat16, 8, 8, true, true);
   auto aten = gpu_rig(mem, cfg, w, model::dtype::bfloat16, 8, 8, true, false);
   const auto a = log_softmax_rows(fused.logits(tokens, 11, 8), cfg.vocab_size);
@@ -48,8 +72,10 @@ TEST(GpuEngine, FusedKernelsComputeWhatTheAtenPathComputes) {
   const double mean_fused = mean_abs_delta(a, reference);
   const double mean_aten = mean_abs_delta(b, reference);
   const double between = max_abs_delta(a, b);
-  std::cout << "[ measured ] fused vs ATen: max " << between << "; mean gap to fp32: fused "
-            << mean_fused << ", ATen " << mean_aten << "\n";
+  std::cout << "[ measured ] GEMV up to " << gemv_copies << " copies, MMA up to " << mma_copies
+            << "; fused vs ATen: max "
+            << between << "; mean gap to fp32: fused " << mean_fused << ", ATen " << mean_aten
+            << "\n";
   EXPECT_LT(between, 0.1);
   EXPECT_LT(mean_fused, 0.02);
   EXPECT_LT(mean_fused, 1.5 * mean_aten + 1e-4) << "the fused kernels lose accuracy";
@@ -57,6 +83,16 @@ TEST(GpuEngine, FusedKernelsComputeWhatTheAtenPathComputes) {
   const double fused_loads = double(fused.forward->counters().decode_expert_loads);
   const double aten_loads = double(aten.forward->counters().decode_expert_loads);
   EXPECT_NEAR(fused_loads / aten_loads, 1.0, 0.05) << "both paths count the routed experts";
+}
+
+TEST(GpuEngine, FusedKernelsComputeWhatTheAtenPathComputes) {
+  REQUIRE_GPU();
+  expect_fused_matches_aten("8", "0");
+}
+
+TEST(GpuEngine, TensorCoreExpertsInEveryStepComputeWhatTheAtenPathComputes) {
+  REQUIRE_GPU();
+  expect_fused_matches_aten("0", "4096");
 }
 
 TEST(GpuEngine, Bf16LogitsTrackTheFp32ReferenceAndTheCpuEngine) {
@@ -126,11 +162,16 @@ struct decode_fixture {
   std::vector<std::vector<std::uint32_t>> tables;
 };
 
-TEST(GpuEngine, CudaGraphReplayEqualsEagerAndIsDeterministic) {
-  REQUIRE_GPU();
+// Graphed against eager decode steps of five sequences, greedy and sampled, and graph replays
+// against each other; `experts_on_mma`: every step's experts on the tensor-core kernel.
+void expect_graph_replay_equals_eager(bool experts_on_mma) {
   const auto cfg = refit::testing::tiny_model();
   const auto w = engine_synthetic(cfg);
   gpu_memory mem;
+  using vars = std::vector<std::pair<std::string, std::string>>;
+  const scoped_env env(experts_on_mma ? vars{{"REFIT_EXPERT_GEMV_MAX_COPIES", "0"},
+                                             {"REFIT_EXPERT_MMA_MAX_COPIES", "4096"}}
+                                      : vars{});
   auto graphed = gpu_rig(mem, cfg, w, model::dtype::bfloat16, 8, 64, true);
   auto eager = gpu_rig(mem, cfg, w, model::dtype::bfloat16, 8, 64, false);
   decode_fixture g(graphed), e(eager);
@@ -161,6 +202,16 @@ TEST(GpuEngine, CudaGraphReplayEqualsEagerAndIsDeterministic) {
   EXPECT_EQ(c.graph_replays, 80u); // 2 temperatures x 2 runs x 20 steps
   EXPECT_GE(c.graph_captures, 1u);
   EXPECT_EQ(eager.forward->counters().graph_replays, 0u);
+}
+
+TEST(GpuEngine, CudaGraphReplayEqualsEagerAndIsDeterministic) {
+  REQUIRE_GPU();
+  expect_graph_replay_equals_eager(false);
+}
+
+TEST(GpuEngine, CudaGraphReplayOfTensorCoreExpertsEqualsEagerAndIsDeterministic) {
+  REQUIRE_GPU();
+  expect_graph_replay_equals_eager(true);
 }
 
 TEST(GpuEngine, GenerationWithContinuousBatchingIsBitwiseDeterministic) {

@@ -2,6 +2,7 @@
 // RoPE tables and the CUDA-graph runner. The layers are torch_fast_layers.cpp.
 #include "runtime/inference/torch_fast_forward.hpp"
 
+#include <algorithm>
 #include <cstdlib>
 #include <numeric>
 
@@ -39,6 +40,20 @@ static std::int64_t copies_knob(const char* name, std::int64_t fallback) {
     throw std::invalid_argument(std::string("bf16 engine: ") + name + "=" + v
                                 + " is not a count of routed copies in [0, 1000000]");
   return n;
+}
+
+// A knob that is one of `allowed` (whole numbers, listed in the error), or `fallback`.
+static std::int64_t choice_knob(const char* name, const std::vector<std::string>& allowed,
+                                std::int64_t fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0')
+    return fallback;
+  if (std::find(allowed.begin(), allowed.end(), v) != allowed.end())
+    return std::stoll(v);
+  std::string list;
+  for (std::size_t i = 0; i < allowed.size(); ++i)
+    list += (i == 0 ? "" : i + 1 == allowed.size() ? " or " : ", ") + allowed[i];
+  throw std::invalid_argument(std::string("bf16 engine: ") + name + "=" + v + " is not " + list);
 }
 
 static bool flag_knob(const char* name, bool fallback) {
@@ -93,6 +108,8 @@ fast_rank_forward::fast_rank_forward(const rank_forward_options& o)
     static_cast<int>(head_dim_), static_cast<int>(q_heads_ / kv_heads_));
 #endif
   gemv_max_copies_ = copies_knob("REFIT_EXPERT_GEMV_MAX_COPIES", gemv_max_copies_);
+  mma_max_copies_ = copies_knob("REFIT_EXPERT_MMA_MAX_COPIES", mma_max_copies_);
+  mma_ksplit_ = choice_knob("REFIT_EXPERT_MMA_KSPLIT", {"0", "1", "2", "4", "8"}, mma_ksplit_);
   [[maybe_unused]] const bool programmatic = flag_knob("REFIT_PDL", true);
 #if defined(REFIT_TORCH_CUDA)
   if (device_.is_cuda())

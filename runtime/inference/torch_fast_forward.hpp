@@ -225,6 +225,10 @@ private:
   // it; otherwise (or on the ATen path) an undefined tensor.
   at::Tensor experts(const layer_tensors& w, const at::Tensor& h, bool decode, at::Tensor& x,
                      const at::Tensor* next_norm);
+  at::Tensor expert_projections(const layer_tensors& w, const at::Tensor& h, std::int64_t copies,
+                                const at::Tensor& chosen, const at::Tensor& counts,
+                                const at::Tensor& offsets, const at::Tensor& order,
+                                const at::Tensor& src_token, const at::Tensor& active) const;
 
   // x (fp32, contiguous) += the all-reduced bf16 `out`.
   void add_residual(at::Tensor& x, const at::Tensor& out);
@@ -288,6 +292,12 @@ private:
   // Routed copies up to which a step uses the expert GEMV instead of the grouped GEMM
   // (REFIT_EXPERT_GEMV_MAX_COPIES overrides it, for tuning).
   std::int64_t gemv_max_copies_ = 8; // H200, Qwen3-30B-A3B: the grouped GEMM wins from batch 2
+  // Routed copies up to which a step uses the tensor-core expert kernel (expert_mma) instead of
+  // the grouped GEMM (from gemv_max_copies_ on), and its k-split (0: chosen per shape);
+  // REFIT_EXPERT_MMA_MAX_COPIES and REFIT_EXPERT_MMA_KSPLIT set them. Off (0) by default until
+  // it has been measured on the H200 (docs/operations.md).
+  std::int64_t mma_max_copies_ = 0;
+  std::int64_t mma_ksplit_ = 0;
 #if defined(REFIT_TORCH_CUDA)
   std::optional<c10::cuda::CUDAStream> stream_;
   std::int64_t baseline_bytes_ = 0;

@@ -295,7 +295,7 @@ at::Tensor fast_rank_forward::experts(const layer_tensors& w, const at::Tensor& 
       weights = weights / weights.sum(-1, /*keepdim=*/true);
   }
   [[maybe_unused]] const std::int64_t copies = n * top_k_;
-  at::Tensor counts, offsets, order, src_token, inverse;
+  at::Tensor counts, offsets, order, src_token, inverse, active;
 #if defined(REFIT_TORCH_CUDA)
   if (fused_ && kernels::bucket_supported(static_cast<int>(copies), static_cast<int>(experts_))) {
     counts = at::empty({experts_}, i64_);
@@ -303,12 +303,19 @@ at::Tensor fast_rank_forward::experts(const layer_tensors& w, const at::Tensor& 
     order = at::empty({copies}, i64_);
     src_token = at::empty({copies}, i64_);
     inverse = at::empty({copies}, i64_);
+    active = at::empty({experts_ + 1}, i64_.dtype(at::kInt)); // the ids, then their number
+    kernels::bucket_out b;
+    b.counts = counts.data_ptr<std::int64_t>();
+    b.offsets = offsets.data_ptr<int>();
+    b.order = order.data_ptr<std::int64_t>();
+    b.src_token = src_token.data_ptr<std::int64_t>();
+    b.inverse = inverse.data_ptr<std::int64_t>();
+    b.active = active.data_ptr<int>();
+    b.active_count = active.data_ptr<int>() + experts_;
+    b.loads = expert_loads_.data_ptr<std::int64_t>();
+    b.loads_n = decode ? 2 : 1;
     kernels::bucket(chosen.data_ptr<std::int64_t>(), static_cast<int>(copies),
-                    static_cast<int>(top_k_), static_cast<int>(experts_),
-                    counts.data_ptr<std::int64_t>(), offsets.data_ptr<int>(),
-                    order.data_ptr<std::int64_t>(), src_token.data_ptr<std::int64_t>(),
-                    inverse.data_ptr<std::int64_t>(), expert_loads_.data_ptr<std::int64_t>(),
-                    decode ? 2 : 1, stream());
+                    static_cast<int>(top_k_), static_cast<int>(experts_), b, stream());
   }
 #endif
   if (!order.defined()) {
@@ -322,7 +329,80 @@ at::Tensor fast_rank_forward::experts(const layer_tensors& w, const at::Tensor& 
     if (decode)
       expert_loads_.narrow(0, 1, 1).add_(used);
   }
+  const at::Tensor ys = expert_projections(w, h, copies, chosen, counts, offsets, order,
+                                           src_token, active);
+#if defined(REFIT_TORCH_CUDA)
+  if (fused_ && o_.tp == 1) {
+    if (!inverse.defined())
+      inverse = at::empty_like(order).index_copy_(0, order, at::arange(copies, i64_));
+    at::Tensor normed;
+    if (next_norm != nullptr)
+      normed = at::empty({n, hidden_}, bf_);
+    kernels::mix_experts(ys.data_ptr(), inverse.data_ptr<std::int64_t>(),
+                         weights.contiguous().data_ptr<float>(), x.data_ptr<float>(),
+                         static_cast<int>(n), static_cast<int>(top_k_),
+                         static_cast<int>(hidden_),
+                         next_norm != nullptr ? next_norm->data_ptr() : nullptr,
+                         next_norm != nullptr ? normed.data_ptr() : nullptr,
+                         static_cast<float>(cfg_.rms_norm_eps), stream());
+    return normed;
+  }
+#endif
+  const at::Tensor y = at::empty_like(ys).index_copy_(0, order, ys); // back in token order
+  at::Tensor moe = (y.view({n, top_k_, hidden_}).to(at::kFloat) * weights.unsqueeze(-1)).sum(1);
+  all_reduce(moe);
+  x.add_(moe);
+  (void)next_norm;
+  return {};
+}
 
+// The routed copies through the experts, in sorted order: ys bf16 [copies, hidden]. The
+// tensor-core kernel (gate_up fused with SiLU, then down), the expert GEMV (very few copies) or
+// the grouped GEMM, by the number of copies.
+at::Tensor fast_rank_forward::expert_projections(const layer_tensors& w, const at::Tensor& h,
+                                                 std::int64_t copies, const at::Tensor& chosen,
+                                                 const at::Tensor& counts,
+                                                 const at::Tensor& offsets,
+                                                 const at::Tensor& order,
+                                                 const at::Tensor& src_token,
+                                                 const at::Tensor& active) const {
+#if defined(REFIT_TORCH_CUDA)
+  if (fused_ && active.defined() && copies <= mma_max_copies_ && copies > gemv_max_copies_) {
+    kernels::expert_mma_args up, down;
+    up.x = h.data_ptr();
+    up.x_rows = src_token.data_ptr<std::int64_t>();
+    up.w = w.w13.data_ptr();
+    up.rows = static_cast<int>(w.w13.size(1));
+    up.k = static_cast<int>(w.w13.size(2));
+    up.glu = true;
+    down.w = w.w2.data_ptr();
+    down.rows = static_cast<int>(w.w2.size(1));
+    down.k = static_cast<int>(w.w2.size(2));
+    for (kernels::expert_mma_args* a : {&up, &down}) {
+      a->active = active.data_ptr<int>();
+      a->active_count = active.data_ptr<int>() + experts_;
+      a->counts = counts.data_ptr<std::int64_t>();
+      a->offsets = offsets.data_ptr<int>();
+    }
+    const int c = static_cast<int>(copies);
+    const int e = static_cast<int>(experts_);
+    const int wanted = static_cast<int>(mma_ksplit_);
+    const int ks_up = kernels::expert_mma_supported(up) ? kernels::expert_mma_ksplit(up, c, e, wanted) : 0;
+    const int ks_down =
+      kernels::expert_mma_supported(down) ? kernels::expert_mma_ksplit(down, c, e, wanted) : 0;
+    if (ks_up > 0 && ks_down > 0) {
+      at::Tensor act = at::empty({copies, inter_}, bf_);
+      at::Tensor ys = at::empty({copies, w.w2.size(1)}, bf_);
+      up.y = act.data_ptr();
+      down.x = act.data_ptr();
+      down.y = ys.data_ptr();
+      kernels::expert_mma(up, c, e, ks_up, stream());
+      kernels::expert_mma(down, c, e, ks_down, stream());
+      return ys;
+    }
+  }
+#endif
+  (void)active;
   // The expert GEMV (few copies per expert) or the grouped GEMM over the sorted copies.
   [[maybe_unused]] const auto gemv = [&](const at::Tensor& in, const at::Tensor* rows,
                                          const at::Tensor& weight) {
@@ -362,31 +442,7 @@ at::Tensor fast_rank_forward::experts(const layer_tensors& w, const at::Tensor& 
 #endif
   if (!act.defined())
     act = at::silu(gate_up.narrow(1, 0, inter_)) * gate_up.narrow(1, inter_, inter_);
-  const at::Tensor ys =
-    gemv_down ? gemv(act, nullptr, w.w2) : grouped(act, w.w2, counts, offsets);
-#if defined(REFIT_TORCH_CUDA)
-  if (fused_ && o_.tp == 1) {
-    if (!inverse.defined())
-      inverse = at::empty_like(order).index_copy_(0, order, at::arange(copies, i64_));
-    at::Tensor normed;
-    if (next_norm != nullptr)
-      normed = at::empty({n, hidden_}, bf_);
-    kernels::mix_experts(ys.data_ptr(), inverse.data_ptr<std::int64_t>(),
-                         weights.contiguous().data_ptr<float>(), x.data_ptr<float>(),
-                         static_cast<int>(n), static_cast<int>(top_k_),
-                         static_cast<int>(hidden_),
-                         next_norm != nullptr ? next_norm->data_ptr() : nullptr,
-                         next_norm != nullptr ? normed.data_ptr() : nullptr,
-                         static_cast<float>(cfg_.rms_norm_eps), stream());
-    return normed;
-  }
-#endif
-  const at::Tensor y = at::empty_like(ys).index_copy_(0, order, ys); // back in token order
-  at::Tensor moe = (y.view({n, top_k_, hidden_}).to(at::kFloat) * weights.unsqueeze(-1)).sum(1);
-  all_reduce(moe);
-  x.add_(moe);
-  (void)next_norm;
-  return {};
+  return gemv_down ? gemv(act, nullptr, w.w2) : grouped(act, w.w2, counts, offsets);
 }
 
 // x (fp32, contiguous) += the all-reduced bf16 `out`.

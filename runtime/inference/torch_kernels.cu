@@ -398,10 +398,7 @@ bool decode_attention_supported(int d, int group) {
 }
 
 int decode_attention_splits(int b, int hkv) {
-  int device = 0, sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess
-      || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
-    throw std::runtime_error("decode_attention: cannot read the device's multiprocessor count");
+  const int sms = multiprocessors();
   const int blocks = b * hkv;
   const int want = (2 * sms + blocks - 1) / blocks; // ~2 blocks per SM
   return want < 1 ? 1 : (want > max_attention_splits ? max_attention_splits : want);

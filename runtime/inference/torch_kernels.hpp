@@ -65,12 +65,23 @@ void route(const void* logits, int n, int experts, int top_k, bool renormalize,
 
 // Counting sort of the n * top_k routed copies by expert, stable in flat index order:
 // counts int64 [e], offsets int32 [e] (cumulative ends), order int64 [m] (sorted position ->
-// flat index), src_token int64 [m] (= order / top_k), inverse int64 [m] (flat -> sorted);
+// flat index), src_token int64 [m] (= order / top_k), inverse int64 [m] (flat -> sorted),
+// active int32 [e] (the non-empty experts in id order; their number in *active_count);
 // adds the number of non-empty experts to each of loads[0 .. loads_n).
 bool bucket_supported(int copies, int experts);
-void bucket(const std::int64_t* ids, int copies, int top_k, int experts, std::int64_t* counts,
-            int* offsets, std::int64_t* order, std::int64_t* src_token, std::int64_t* inverse,
-            std::int64_t* loads, int loads_n, void* stream);
+struct bucket_out {
+  std::int64_t* counts = nullptr;
+  int* offsets = nullptr;
+  std::int64_t* order = nullptr;
+  std::int64_t* src_token = nullptr;
+  std::int64_t* inverse = nullptr;
+  int* active = nullptr;
+  int* active_count = nullptr;
+  std::int64_t* loads = nullptr;
+  int loads_n = 0;
+};
+void bucket(const std::int64_t* ids, int copies, int top_k, int experts, const bucket_out& out,
+            void* stream);
 
 
 // Few routed copies (decode at small batch): y bf16 [m, n] = x-row(p) times w bf16 [e, n, k]^T
@@ -94,6 +105,30 @@ struct gemv_args {
 };
 bool expert_gemv_supported(std::int64_t copies, std::int64_t k, std::int64_t max_copies);
 void expert_gemv(const gemv_args& args, void* stream);
+
+// The routed copies' projections on the tensor cores, for any number of copies per expert
+// (the weights are streamed once per 32 of an expert's copies): w bf16 [e, rows, k]; the copies
+// sorted by expert (bucket: counts, offsets, active, active_count); x-row(p) as for gemv_args.
+// GLU (gate_up): y bf16 [m, rows / 2] = silu(gate) * up, the gate rows first in w; else
+// y bf16 [m, rows]. ksplit warps share each 16-row tile's k (more blocks for few experts):
+// expert_mma_ksplit picks it (enough blocks to fill the device for copies routed over
+// `experts`), or checks `wanted` (> 0); 0: the shape does not divide.
+struct expert_mma_args {
+  const void* x = nullptr;
+  const std::int64_t* x_rows = nullptr;
+  const void* w = nullptr;
+  const int* active = nullptr;
+  const int* active_count = nullptr;
+  const std::int64_t* counts = nullptr;
+  const int* offsets = nullptr;
+  void* y = nullptr;
+  int rows = 0;
+  int k = 0;
+  bool glu = false;
+};
+bool expert_mma_supported(const expert_mma_args& args);
+int expert_mma_ksplit(const expert_mma_args& args, int copies, int experts, int wanted);
+void expert_mma(const expert_mma_args& args, int copies, int experts, int ksplit, void* stream);
 
 // act bf16 [m, i] = silu(gate) * up of gate_up bf16 [m, 2i] (fp32 math).
 void silu_mul(const void* gate_up, void* act, std::int64_t m, int i, void* stream);

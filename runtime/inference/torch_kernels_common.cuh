@@ -85,6 +85,22 @@ __device__ __forceinline__ void norm_row(const float* row, const bf16* w, bf16* 
 }
 
 
+// The current device's multiprocessor count (grid sizing), read once per device.
+inline int multiprocessors() {
+  constexpr int cached_devices = 64;
+  static std::atomic<int> cached[cached_devices] = {};
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess)
+    throw std::runtime_error("bf16 engine: cannot read the current CUDA device");
+  if (device >= 0 && device < cached_devices && (sms = cached[device].load()) > 0)
+    return sms;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+    throw std::runtime_error("bf16 engine: cannot read the device's multiprocessor count");
+  if (device >= 0 && device < cached_devices)
+    cached[device].store(sms);
+  return sms;
+}
+
 // ---- programmatic dependent launch (sm_90) --------------------------------------------------
 // Every kernel of this engine starts with pdl_enter(): it waits until the kernel before it on
 // the stream has completed and its memory is visible (griddepcontrol.wait; through the chain,

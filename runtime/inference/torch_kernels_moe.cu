@@ -81,17 +81,18 @@ __global__ void route_kernel(const bf16* __restrict__ logits, int n, int experts
 
 // ----------------------------------------------------------------- bucket by expert
 
-// One block of 1024 threads: counts by shared atomics, an exclusive scan over the experts
-// (warp scans + a scan of the warp totals), then one warp per expert scatters its copies in
-// flat index order with ballots (stable, deterministic).
-__device__ void bucket_block(const i64* __restrict__ ids, int copies, int top_k, int experts,
-                             i64* __restrict__ counts, int* __restrict__ offsets,
-                             i64* __restrict__ order, i64* __restrict__ src_token,
-                             i64* __restrict__ inverse, i64* __restrict__ loads, int loads_n) {
+// One block of 1024 threads: counts by shared atomics, exclusive scans over the experts of
+// the counts and of the non-empty flags (warp scans + a scan of the warp totals), then one
+// warp per expert scatters its copies in flat index order with ballots (stable,
+// deterministic).
+__global__ void __launch_bounds__(1024)
+  bucket_kernel(const i64* __restrict__ ids, int copies, int top_k, int experts, bucket_out out) {
+  pdl_enter();
   __shared__ int count[max_bucket_experts];
   __shared__ int start[max_bucket_experts];
   __shared__ short id[max_bucket_copies];
   __shared__ int warp_total[32];
+  __shared__ int warp_used[32];
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   for (int e = threadIdx.x; e < experts; e += blockDim.x)
@@ -110,28 +111,41 @@ __device__ void bucket_block(const i64* __restrict__ ids, int copies, int top_k,
     if (lane >= o)
       inclusive += v;
   }
+  const unsigned nonempty = __ballot_sync(0xffffffffu, c > 0);
   if (lane == 31)
     warp_total[warp] = inclusive;
+  if (lane == 0)
+    warp_used[warp] = __popc(nonempty);
   const int used = __syncthreads_count(c > 0);
   if (warp == 0) {
     int t = warp_total[lane];
+    int u = warp_used[lane];
     for (int o = 1; o < 32; o <<= 1) {
       const int v = __shfl_up_sync(0xffffffffu, t, o);
-      if (lane >= o)
+      const int w = __shfl_up_sync(0xffffffffu, u, o);
+      if (lane >= o) {
         t += v;
+        u += w;
+      }
     }
     warp_total[lane] = t;
+    warp_used[lane] = u;
   }
   __syncthreads();
   if (e < experts) {
     const int exclusive = inclusive - c + (warp > 0 ? warp_total[warp - 1] : 0);
     start[e] = exclusive;
-    offsets[e] = exclusive + c;
-    counts[e] = c;
+    out.offsets[e] = exclusive + c;
+    out.counts[e] = c;
+    if (c > 0)
+      out.active[(warp > 0 ? warp_used[warp - 1] : 0)
+                 + __popc(nonempty & ((1u << lane) - 1u))] = e;
   }
-  if (threadIdx.x == 0)
-    for (int i = 0; i < loads_n; ++i)
-      loads[i] += used;
+  if (threadIdx.x == 0) {
+    *out.active_count = used;
+    for (int i = 0; i < out.loads_n; ++i)
+      out.loads[i] += used;
+  }
   __syncthreads();
   const int warps = blockDim.x >> 5;
   for (int ex = warp; ex < experts; ex += warps) {
@@ -144,23 +158,13 @@ __device__ void bucket_block(const i64* __restrict__ ids, int copies, int top_k,
       const unsigned bits = __ballot_sync(0xffffffffu, hit);
       if (hit) {
         const int r = pos + __popc(bits & ((1u << lane) - 1u));
-        order[r] = f;
-        src_token[r] = f / top_k;
-        inverse[f] = r;
+        out.order[r] = f;
+        out.src_token[r] = f / top_k;
+        out.inverse[f] = r;
       }
       pos += __popc(bits);
     }
   }
-}
-
-__global__ void __launch_bounds__(1024)
-  bucket_kernel(const i64* __restrict__ ids, int copies, int top_k, int experts,
-                i64* __restrict__ counts, int* __restrict__ offsets, i64* __restrict__ order,
-                i64* __restrict__ src_token, i64* __restrict__ inverse, i64* __restrict__ loads,
-                int loads_n) {
-  pdl_enter();
-  bucket_block(ids, copies, top_k, experts, counts, offsets, order, src_token, inverse, loads,
-               loads_n);
 }
 
 // --------------------------------------------------------------- expert GEMV
@@ -284,11 +288,10 @@ bool bucket_supported(int copies, int experts) {
          && experts <= max_bucket_experts && experts <= 32767;
 }
 
-void bucket(const std::int64_t* ids, int copies, int top_k, int experts, std::int64_t* counts,
-            int* offsets, std::int64_t* order, std::int64_t* src_token, std::int64_t* inverse,
-            std::int64_t* loads, int loads_n, void* stream) {
+void bucket(const std::int64_t* ids, int copies, int top_k, int experts, const bucket_out& out,
+            void* stream) {
   launch("bucket", bucket_kernel, dim3(1), dim3(max_bucket_experts), as_stream(stream), ids,
-         copies, top_k, experts, counts, offsets, order, src_token, inverse, loads, loads_n);
+         copies, top_k, experts, out);
 }
 
 bool expert_gemv_supported(std::int64_t copies, std::int64_t k, std::int64_t max_copies) {

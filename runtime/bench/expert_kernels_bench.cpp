@@ -1,0 +1,283 @@
+// refit-expert-bench (CUDA builds): the bf16 engine's routed-expert kernels alone on one GPU, per
+// decode batch, against the device-copy bound measured in the same run. For each batch size:
+// uniform top-k routing (seeded), the counting sort once, then gate_up + down of every layer of
+// a ring of distinct layers (larger than L2) through the tensor-core kernel (expert_mma) at
+// each k-split, and the expert GEMV path (gemv + SiLU + gemv) where it applies. The bytes are
+// the non-empty experts' weights; `ratio` = bytes / time / copy bound (read + write).
+//
+//   refit-expert-bench [--batch 1,16,64,256] [--experts 128] [--top-k 8] [--hidden 2048]
+//                      [--inter 768] [--layers 6] [--repeat 10] [--json]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "runtime/inference/torch_kernels.hpp"
+
+namespace {
+
+namespace kernels = refit::inference::kernels;
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess)
+    throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+struct options {
+  std::vector<int> batches{1, 16, 64, 256};
+  int experts = 128, top_k = 8, hidden = 2048, inter = 768, layers = 6, repeat = 10;
+  bool json = false;
+};
+
+int whole(const std::string& flag, const char* v) {
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  if (*v == '\0' || *end != '\0' || n < 1 || n > 1 << 20)
+    throw std::invalid_argument(flag + " " + v + " is not a whole number in [1, 1048576]");
+  return static_cast<int>(n);
+}
+
+options parse(int argc, char** argv) {
+  options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--json") {
+      o.json = true;
+      continue;
+    }
+    if (i + 1 >= argc)
+      throw std::invalid_argument(a + " needs a value (or is not a flag of refit-expert-bench)");
+    const char* v = argv[++i];
+    if (a == "--batch") {
+      o.batches.clear();
+      std::string list = v, item;
+      for (std::size_t p = 0; p <= list.size(); ++p)
+        if (p == list.size() || list[p] == ',') {
+          o.batches.push_back(whole(a, item.c_str()));
+          item.clear();
+        } else {
+          item += list[p];
+        }
+    } else if (a == "--experts") {
+      o.experts = whole(a, v);
+    } else if (a == "--top-k") {
+      o.top_k = whole(a, v);
+    } else if (a == "--hidden") {
+      o.hidden = whole(a, v);
+    } else if (a == "--inter") {
+      o.inter = whole(a, v);
+    } else if (a == "--layers") {
+      o.layers = whole(a, v);
+    } else if (a == "--repeat") {
+      o.repeat = whole(a, v);
+    } else {
+      throw std::invalid_argument(a + " is not a flag of refit-expert-bench");
+    }
+  }
+  if (o.top_k > o.experts)
+    throw std::invalid_argument("--top-k " + std::to_string(o.top_k) + " exceeds --experts "
+                                + std::to_string(o.experts));
+  return o;
+}
+
+template <class T>
+struct device_buffer {
+  T* p = nullptr;
+  explicit device_buffer(std::size_t n, int fill = 0) {
+    check(cudaMalloc(&p, std::max<std::size_t>(n, 1) * sizeof(T)), "cudaMalloc");
+    check(cudaMemset(p, fill, n * sizeof(T)), "cudaMemset");
+  }
+  ~device_buffer() { cudaFree(p); }
+  device_buffer(const device_buffer&) = delete;
+  device_buffer& operator=(const device_buffer&) = delete;
+};
+
+struct timer {
+  cudaStream_t s;
+  cudaEvent_t a, b;
+  explicit timer(cudaStream_t stream) : s(stream) {
+    check(cudaEventCreate(&a), "cudaEventCreate");
+    check(cudaEventCreate(&b), "cudaEventCreate");
+  }
+  ~timer() {
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+  }
+  template <class F>
+  double seconds(F&& f) {
+    check(cudaEventRecord(a, s), "cudaEventRecord");
+    f();
+    check(cudaEventRecord(b, s), "cudaEventRecord");
+    check(cudaEventSynchronize(b), "cudaEventSynchronize");
+    check(cudaGetLastError(), "a kernel");
+    float ms = 0;
+    check(cudaEventElapsedTime(&ms, a, b), "cudaEventElapsedTime");
+    return ms * 1e-3;
+  }
+};
+
+} // namespace
+
+int main(int argc, char** argv) try {
+  const options o = parse(argc, argv);
+  using bf16_bits = unsigned short;
+  const int e = o.experts, h = o.hidden, in = o.inter;
+  const std::size_t w13_n = std::size_t(e) * 2 * in * h, w2_n = std::size_t(e) * h * in;
+  std::vector<std::unique_ptr<device_buffer<bf16_bits>>> w13, w2;
+  for (int l = 0; l < o.layers; ++l) { // 0x3c3c: bf16 0.0115, finite through SiLU
+    w13.push_back(std::make_unique<device_buffer<bf16_bits>>(w13_n, 0x3c));
+    w2.push_back(std::make_unique<device_buffer<bf16_bits>>(w2_n, 0x3c));
+  }
+  const int max_batch = *std::max_element(o.batches.begin(), o.batches.end());
+  const std::size_t max_copies = std::size_t(max_batch) * o.top_k;
+  device_buffer<bf16_bits> x(std::size_t(max_batch) * h, 0x3c), act(max_copies * in),
+    ys(max_copies * h), gate_up(max_copies * 2 * in);
+  cudaStream_t s = nullptr;
+  check(cudaStreamCreate(&s), "cudaStreamCreate");
+  timer t(s);
+
+  const std::size_t bound_bytes = std::size_t{256} << 20;
+  device_buffer<char> c0(bound_bytes), c1(bound_bytes);
+  std::vector<double> copies_s;
+  for (int r = 0; r < 10; ++r)
+    copies_s.push_back(t.seconds([&] {
+      check(cudaMemcpyAsync(c1.p, c0.p, bound_bytes, cudaMemcpyDeviceToDevice, s), "copy");
+    }));
+  std::sort(copies_s.begin(), copies_s.end());
+  const double bound_gbps = 2.0 * bound_bytes / copies_s[copies_s.size() / 2] / 1e9;
+
+  nlohmann::json out = {{"bench", "expert_kernels"},
+                        {"copy_bound_gbps", bound_gbps},
+                        {"bound_method", "cudaMemcpyAsync device-to-device of 256 MiB, median of "
+                                         "10, bytes read + written"},
+                        {"experts", e},
+                        {"top_k", o.top_k},
+                        {"hidden", h},
+                        {"inter", in},
+                        {"layers", o.layers},
+                        {"repeat", o.repeat},
+                        {"rows", nlohmann::json::array()}};
+  if (!o.json)
+    std::printf("copy bound %.0f GB/s (read + write)\n", bound_gbps);
+  for (const int batch : o.batches) {
+    std::mt19937 rng(static_cast<unsigned>(batch));
+    std::vector<std::int64_t> ids;
+    std::vector<int> pool(static_cast<std::size_t>(e));
+    for (int token = 0; token < batch; ++token) {
+      std::iota(pool.begin(), pool.end(), 0);
+      std::shuffle(pool.begin(), pool.end(), rng);
+      ids.insert(ids.end(), pool.begin(), pool.begin() + o.top_k);
+    }
+    const std::set<std::int64_t> used(ids.begin(), ids.end());
+    const int copies = batch * o.top_k;
+    device_buffer<std::int64_t> d_ids(ids.size()), counts(e), order(copies), src(copies),
+      inverse(copies), loads(1);
+    device_buffer<int> offsets(e), active(e + 1);
+    check(cudaMemcpy(d_ids.p, ids.data(), ids.size() * 8, cudaMemcpyHostToDevice), "ids");
+    kernels::bucket_out b;
+    b.counts = counts.p;
+    b.offsets = offsets.p;
+    b.order = order.p;
+    b.src_token = src.p;
+    b.inverse = inverse.p;
+    b.active = active.p;
+    b.active_count = active.p + e;
+    b.loads = loads.p;
+    b.loads_n = 1;
+    kernels::bucket(d_ids.p, copies, o.top_k, e, b, s);
+    const double bytes = double(used.size()) * 3.0 * h * in * 2.0;
+    const auto measure = [&](const std::string& path, auto&& step) {
+      step(0); // warm-up
+      const double sec = t.seconds([&] {
+        for (int r = 0; r < o.repeat; ++r)
+          for (int l = 0; l < o.layers; ++l)
+            step(l);
+      }) / (double(o.repeat) * o.layers);
+      const double gbps = bytes / sec / 1e9;
+      if (!o.json)
+        std::printf("batch %4d  experts %3zu  %-14s %9.1f us  %6.0f GB/s  ratio %.3f\n", batch,
+                    used.size(), path.c_str(), sec * 1e6, gbps, gbps / bound_gbps);
+      out["rows"].push_back({{"batch", batch},
+                             {"experts_used", used.size()},
+                             {"path", path},
+                             {"layer_us", sec * 1e6},
+                             {"gbps", gbps},
+                             {"ratio", gbps / bound_gbps}});
+    };
+    for (const int wanted : {0, 1, 2, 4, 8}) {
+      kernels::expert_mma_args up, down;
+      up.x = x.p;
+      up.x_rows = src.p;
+      up.rows = 2 * in;
+      up.k = h;
+      up.glu = true;
+      up.y = act.p;
+      down.x = act.p;
+      down.rows = h;
+      down.k = in;
+      down.y = ys.p;
+      for (kernels::expert_mma_args* a : {&up, &down}) {
+        a->active = active.p;
+        a->active_count = active.p + e;
+        a->counts = counts.p;
+        a->offsets = offsets.p;
+      }
+      if (!kernels::expert_mma_supported(up) || !kernels::expert_mma_supported(down))
+        break;
+      const int ks_up = kernels::expert_mma_ksplit(up, copies, e, wanted);
+      const int ks_down = kernels::expert_mma_ksplit(down, copies, e, wanted);
+      if (ks_up == 0 || ks_down == 0)
+        continue;
+      measure(std::string(wanted == 0 ? "mma auto " : "mma ") + std::to_string(ks_up) + "/"
+                + std::to_string(ks_down),
+              [&](int l) {
+                up.w = w13[static_cast<std::size_t>(l)]->p;
+                down.w = w2[static_cast<std::size_t>(l)]->p;
+                kernels::expert_mma(up, copies, e, ks_up, s);
+                kernels::expert_mma(down, copies, e, ks_down, s);
+              });
+    }
+    if (kernels::expert_gemv_supported(copies, h, 64) && kernels::expert_gemv_supported(copies, in, 64))
+      measure("gemv", [&](int l) {
+        kernels::gemv_args g;
+        g.x = x.p;
+        g.x_rows = src.p;
+        g.w = w13[static_cast<std::size_t>(l)]->p;
+        g.ids = d_ids.p;
+        g.order = order.p;
+        g.counts = counts.p;
+        g.offsets = offsets.p;
+        g.y = gate_up.p;
+        g.copies = copies;
+        g.n = 2 * in;
+        g.k = h;
+        kernels::expert_gemv(g, s);
+        kernels::silu_mul(gate_up.p, act.p, copies, in, s);
+        g.x = act.p;
+        g.x_rows = nullptr;
+        g.w = w2[static_cast<std::size_t>(l)]->p;
+        g.y = ys.p;
+        g.n = h;
+        g.k = in;
+        kernels::expert_gemv(g, s);
+      });
+  }
+  if (o.json)
+    std::printf("%s\n", out.dump(1).c_str());
+  cudaStreamDestroy(s);
+  return 0;
+} catch (const std::exception& ex) {
+  std::fprintf(stderr, "refit-expert-bench: %s\n", ex.what());
+  return 1;
+}

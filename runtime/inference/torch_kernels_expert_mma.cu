@@ -1,0 +1,261 @@
+// The routed experts' projections on the tensor cores (torch_kernels.hpp: expert_mma): for the
+// few tokens per expert of a decode step, a GEMM shaped like a GEMV. Each warp streams 16 rows
+// of one expert's weights once (the A operand of mma.m16n8k16, bf16 in, fp32 sums) against
+// the expert's tokens in tiles of 8 (the B operand), so the weight bytes, not the tile shape,
+// set the time; gate/up pairs land in one thread and leave as silu(gate) * up.
+#include "runtime/inference/torch_kernels.hpp"
+#include "runtime/inference/torch_kernels_common.cuh"
+
+namespace refit::inference::kernels {
+
+using namespace detail;
+
+namespace {
+
+constexpr int mma_warps = 8;         // per block
+constexpr int mma_token_tiles = 4;   // tiles of 8 tokens per pass over the weights
+constexpr int mma_max_ksplit = 8;
+// ksplit partial sums: (ksplit - 1) * (mma_warps / ksplit) warps * tiles * 32 lanes * 4,
+// largest at ksplit 8.
+constexpr int mma_reduce_floats = (mma_max_ksplit - 1) * mma_token_tiles * 32 * 4;
+
+// D += A (16 x 16, row) . B (16 x 8, col), bf16 in, fp32 accumulate. Thread (g = lane / 4,
+// t = lane % 4) holds a0/a2: row g, columns 2t..2t+1 / 2t+8..2t+9, a1/a3 the same of row g+8;
+// b0/b1: rows 2t..2t+1 / 2t+8..2t+9 of column g; d0, d1: row g, columns 2t, 2t+1; d2, d3: row
+// g+8.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], unsigned a0, unsigned a1, unsigned a2,
+                                         unsigned a3, unsigned b0, unsigned b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// 16 bytes of weights read once: not kept in L1.
+__device__ __forceinline__ uint4 load_stream(const bf16* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
+
+// One k-iteration's weight chunks of the thread's two rows.
+template <int CH>
+__device__ __forceinline__ void load_stage(const bf16* wa, const bf16* wb, int k0, uint4 (&a)[CH],
+                                           uint4 (&b)[CH]) {
+#pragma unroll
+  for (int c = 0; c < CH; ++c) {
+    a[c] = load_stream(wa + k0 + c * 8);
+    b[c] = load_stream(wb + k0 + c * 8);
+  }
+}
+
+// The MMAs of one k-iteration for the live token tiles.
+template <int CH>
+__device__ __forceinline__ void mma_stage(const bf16* const (&xr)[mma_token_tiles], int off,
+                                          int tiles, const uint4 (&a)[CH], const uint4 (&b)[CH],
+                                          float (&acc)[mma_token_tiles][4]) {
+#pragma unroll
+  for (int tt = 0; tt < mma_token_tiles; ++tt) {
+    if (tt < tiles) {
+#pragma unroll
+      for (int c = 0; c < CH; ++c) {
+        const uint4 xv = __ldg(reinterpret_cast<const uint4*>(xr[tt] + off + c * 8));
+        mma_bf16(acc[tt], a[c].x, b[c].x, a[c].y, b[c].y, xv.x, xv.y);
+        mma_bf16(acc[tt], a[c].z, b[c].z, a[c].w, b[c].w, xv.z, xv.w);
+      }
+    }
+  }
+}
+
+// A dot product may take its k in any order, if A and B take it alike. Thread t of a row group
+// loads CH 16-byte chunks of its two weight rows at k0 + t * 8 * CH + c * 8 and the same chunks
+// of its token's row; chunk (e0..e7) feeds two MMAs, (e0 e1 | e2 e3) as the virtual columns
+// (2t, 2t+1 | 2t+8, 2t+9) and (e4 e5 | e6 e7) likewise, for A and for B.
+//
+// Block (x, y): the y-th non-empty expert (active), warp tiles x * row_warps .. + row_warps
+// (row_warps = 8 / ksplit), each tile's k split over ksplit warps (partial sums added through
+// shared memory, in slice order: deterministic).
+// GLU: tile r holds gate rows 8r..8r+7 (A rows 0..7) and their up rows rows / 2 + 8r.. (A
+// rows 8..15) of w [e, rows, k]; y [m, rows / 2] = silu(gate) * up. Else tile r holds rows
+// 16r..16r+15 of w [e, rows, k]; y [m, rows].
+template <int CH, bool GLU>
+__global__ void __launch_bounds__(mma_warps * 32, 2)
+  expert_mma_kernel(const bf16* __restrict__ x, const i64* __restrict__ x_rows,
+                    const bf16* __restrict__ w, const int* __restrict__ active,
+                    const int* __restrict__ active_count, const i64* __restrict__ counts,
+                    const int* __restrict__ offsets, bf16* __restrict__ y, int rows, int k,
+                    int ksplit) {
+  pdl_enter();
+  __shared__ float partial[mma_reduce_floats];
+  if (static_cast<int>(blockIdx.y) >= *active_count)
+    return; // the whole block: before any barrier
+  const int e = active[blockIdx.y];
+  const int count = static_cast<int>(counts[e]);
+  const int first = offsets[e] - count;
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  const int row_warps = mma_warps / ksplit;
+  const int wr = warp % row_warps;
+  const int wk = warp / row_warps;
+  const int tile = blockIdx.x * row_warps + wr;
+  const bool live = tile < rows / 16; // the last block's spare warps only join the barriers
+  const i64 ra = GLU ? tile * 8 + g : tile * 16 + g;
+  const int cols = GLU ? rows / 2 : rows; // y's row length
+  const i64 rb = GLU ? cols + tile * 8 + g : tile * 16 + 8 + g;
+  const bf16* wa = w + (static_cast<i64>(e) * rows + ra) * k;
+  const bf16* wb = w + (static_cast<i64>(e) * rows + rb) * k;
+  const int span = k / ksplit;
+  const int lane_k = wk * span + t * 8 * CH;
+  const int iters = span / (32 * CH);
+  for (int base = 0; base < count; base += 8 * mma_token_tiles) {
+    const int tiles = min(mma_token_tiles, (count - base + 7) / 8);
+    const bf16* xr[mma_token_tiles];
+#pragma unroll
+    for (int tt = 0; tt < mma_token_tiles; ++tt) {
+      const int q = first + min(base + tt * 8 + g, count - 1); // past the end: a real row, unused
+      xr[tt] = x + (x_rows != nullptr ? x_rows[q] : static_cast<i64>(q)) * k + lane_k;
+    }
+    float acc[mma_token_tiles][4] = {};
+    // Two register stages, ping-pong: one in flight while the other feeds the MMAs.
+    uint4 sa[2][CH], sb[2][CH];
+    if (live)
+      load_stage<CH>(wa, wb, lane_k, sa[0], sb[0]);
+    for (int it = 0; live && it < iters; it += 2) {
+      const int off = it * 32 * CH;
+      if (it + 1 < iters)
+        load_stage<CH>(wa, wb, lane_k + off + 32 * CH, sa[1], sb[1]);
+      mma_stage<CH>(xr, off, tiles, sa[0], sb[0], acc);
+      if (it + 2 < iters)
+        load_stage<CH>(wa, wb, lane_k + off + 64 * CH, sa[0], sb[0]);
+      if (it + 1 < iters)
+        mma_stage<CH>(xr, off + 32 * CH, tiles, sa[1], sb[1], acc);
+    }
+    if (ksplit > 1) { // the k-slices' sums into the first slice's warp, in slice order
+      __syncthreads();
+      if (wk > 0) {
+        float* mine = partial + ((wk - 1) * row_warps + wr) * (mma_token_tiles * 128) + lane * 4;
+#pragma unroll
+        for (int tt = 0; tt < mma_token_tiles; ++tt)
+          if (tt < tiles)
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+              mine[tt * 128 + i] = acc[tt][i];
+      }
+      __syncthreads();
+      if (wk == 0)
+        for (int s = 1; s < ksplit; ++s) {
+          const float* other =
+            partial + ((s - 1) * row_warps + wr) * (mma_token_tiles * 128) + lane * 4;
+#pragma unroll
+          for (int tt = 0; tt < mma_token_tiles; ++tt)
+            if (tt < tiles)
+#pragma unroll
+              for (int i = 0; i < 4; ++i)
+                acc[tt][i] += other[tt * 128 + i];
+        }
+    }
+    if (wk == 0 && live) {
+#pragma unroll
+      for (int tt = 0; tt < mma_token_tiles; ++tt)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int token = base + tt * 8 + 2 * t + j;
+          if (tt >= tiles || token >= count)
+            continue;
+          const i64 p = first + token;
+          if (GLU) {
+            y[p * cols + tile * 8 + g] = to_bf(silu(acc[tt][j]) * acc[tt][2 + j]);
+          } else {
+            y[p * cols + ra] = to_bf(acc[tt][j]);
+            y[p * cols + rb] = to_bf(acc[tt][2 + j]);
+          }
+        }
+    }
+  }
+}
+
+// The chunk count per lane and k-iteration that divides a k-slice (4, 2 or 1), 0 if none.
+int chunks_for(int span) {
+  for (int ch = 4; ch >= 1; ch /= 2)
+    if (span % (32 * ch) == 0)
+      return ch;
+  return 0;
+}
+
+// Warp tiles per expert: 16 weight rows each (GLU: 8 gate rows and their 8 up rows).
+int warp_tiles(const expert_mma_args& a) { return a.rows / 16; }
+
+bool ksplit_fits(const expert_mma_args& a, int ksplit) {
+  return warp_tiles(a) > 0 && a.k % ksplit == 0 && chunks_for(a.k / ksplit) > 0;
+}
+
+// Blocks per expert: row_warps tiles each, the last one possibly in part.
+int blocks_per_expert(const expert_mma_args& a, int ksplit) {
+  const int row_warps = mma_warps / ksplit;
+  return (warp_tiles(a) + row_warps - 1) / row_warps;
+}
+
+template <int CH, bool GLU>
+void launch_mma(const expert_mma_args& a, int ksplit, int experts_bound, cudaStream_t s) {
+  const dim3 grid(blocks_per_expert(a, ksplit), experts_bound);
+  launch("expert_mma", expert_mma_kernel<CH, GLU>, grid, dim3(mma_warps * 32), s,
+         static_cast<const bf16*>(a.x), a.x_rows, static_cast<const bf16*>(a.w), a.active,
+         a.active_count, a.counts, a.offsets, static_cast<bf16*>(a.y), a.rows, a.k, ksplit);
+}
+
+template <bool GLU>
+void launch_for_chunks(const expert_mma_args& a, int ksplit, int experts_bound, cudaStream_t s) {
+  switch (chunks_for(a.k / ksplit)) {
+    case 4: return launch_mma<4, GLU>(a, ksplit, experts_bound, s);
+    case 2: return launch_mma<2, GLU>(a, ksplit, experts_bound, s);
+    case 1: return launch_mma<1, GLU>(a, ksplit, experts_bound, s);
+  }
+  throw std::invalid_argument("expert_mma: k " + std::to_string(a.k) + " over " +
+                              std::to_string(ksplit) + " slices is not a multiple of 32");
+}
+
+} // namespace
+
+int expert_mma_ksplit(const expert_mma_args& a, int copies, int experts, int wanted) {
+  if (wanted > 0)
+    return (wanted <= mma_max_ksplit && (wanted & (wanted - 1)) == 0 && ksplit_fits(a, wanted))
+             ? wanted
+             : 0;
+  const int bound = copies < experts ? copies : experts; // the non-empty experts, at most
+  const int want_blocks = 4 * multiprocessors();
+  int chosen = 0;
+  for (int ks = 1; ks <= mma_max_ksplit; ks *= 2) {
+    if (!ksplit_fits(a, ks))
+      continue;
+    chosen = ks;
+    if (static_cast<long long>(bound) * blocks_per_expert(a, ks) >= want_blocks)
+      break;
+  }
+  return chosen;
+}
+
+bool expert_mma_supported(const expert_mma_args& a) {
+  return a.k >= 32 && a.rows >= 16 && a.rows % 16 == 0 && expert_mma_ksplit(a, 1, 1, 0) > 0;
+}
+
+void expert_mma(const expert_mma_args& a, int copies, int experts, int ksplit, void* stream) {
+  if (ksplit < 1 || ksplit > mma_max_ksplit || !ksplit_fits(a, ksplit))
+    throw std::invalid_argument("expert_mma: ksplit " + std::to_string(ksplit)
+                                + " does not divide the projection (rows " + std::to_string(a.rows)
+                                + ", k " + std::to_string(a.k) + ")");
+  const int bound = copies < experts ? copies : experts;
+  if (bound < 1)
+    return;
+  if (a.glu)
+    launch_for_chunks<true>(a, ksplit, bound, as_stream(stream));
+  else
+    launch_for_chunks<false>(a, ksplit, bound, as_stream(stream));
+}
+
+} // namespace refit::inference::kernels

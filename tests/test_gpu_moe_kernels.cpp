@@ -1,0 +1,330 @@
+// The bf16 engine's MoE kernels on a GPU (label gpu), alone: the counting sort by expert and
+// the tensor-core expert projections (expert_mma) against a host fp32 reference over the same
+// bf16 inputs, with empty experts, single copies and experts of more than one 32-copy pass,
+// at every k-split the shape allows.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "gpu_fixture.hpp"
+#include "runtime/inference/torch_kernels.hpp"
+
+namespace {
+
+namespace kernels = refit::inference::kernels;
+using i64 = std::int64_t;
+
+#define CUDA_OK(call) ASSERT_EQ((call), cudaSuccess) << #call
+
+std::uint16_t to_bf16(float f) { // round to nearest even, as __float2bfloat16
+  std::uint32_t u = 0;
+  std::memcpy(&u, &f, 4);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<std::uint16_t>(u >> 16);
+}
+
+float from_bf16(std::uint16_t b) {
+  const std::uint32_t u = std::uint32_t{b} << 16;
+  float f = 0;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// A device buffer of `n` elements of T, freed with the object.
+template <class T>
+struct device_vec {
+  T* p = nullptr;
+  std::size_t n = 0;
+  explicit device_vec(std::size_t count) : n(count) {
+    if (cudaMalloc(&p, std::max<std::size_t>(1, n) * sizeof(T)) != cudaSuccess)
+      throw std::runtime_error("cudaMalloc");
+  }
+  explicit device_vec(const std::vector<T>& host) : device_vec(host.size()) {
+    if (cudaMemcpy(p, host.data(), n * sizeof(T), cudaMemcpyHostToDevice) != cudaSuccess)
+      throw std::runtime_error("cudaMemcpy to the device");
+  }
+  ~device_vec() { cudaFree(p); }
+  device_vec(const device_vec&) = delete;
+  device_vec& operator=(const device_vec&) = delete;
+  std::vector<T> host() const {
+    std::vector<T> out(n);
+    if (cudaMemcpy(out.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost) != cudaSuccess)
+      throw std::runtime_error("cudaMemcpy from the device");
+    return out;
+  }
+};
+
+std::vector<std::uint16_t> random_bf16(std::size_t n, std::uint32_t seed, float scale) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> u(-scale, scale);
+  std::vector<std::uint16_t> v(n);
+  for (auto& x : v)
+    x = to_bf16(u(rng));
+  return v;
+}
+
+// Routing of `tokens` tokens to `top_k` distinct experts each, skewed: expert 0 takes every
+// token, experts 1..3 most, the last quarter none, the rest at random (some once).
+std::vector<i64> skewed_routing(int tokens, int top_k, int experts, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<i64> ids;
+  for (int t = 0; t < tokens; ++t) {
+    std::vector<int> pool;
+    for (int e = 1; e < experts - experts / 4; ++e)
+      pool.push_back(e);
+    std::shuffle(pool.begin(), pool.end(), rng);
+    std::vector<int> favoured; // experts 1..3, each for 3 tokens of 4
+    for (int e = 1; e <= 3; ++e)
+      if (rng() % 4 != 0)
+        favoured.push_back(e);
+    std::stable_partition(pool.begin(), pool.end(), [&](int e) {
+      return std::find(favoured.begin(), favoured.end(), e) != favoured.end();
+    });
+    ids.push_back(0);
+    for (int j = 1; j < top_k; ++j)
+      ids.push_back(pool[static_cast<std::size_t>(j - 1)]);
+  }
+  return ids;
+}
+
+struct sorted_copies {
+  std::vector<i64> counts, order, src_token, inverse;
+  std::vector<int> offsets, active;
+};
+
+// What bucket must produce: a stable counting sort of the flat copies by expert.
+sorted_copies host_bucket(const std::vector<i64>& ids, int top_k, int experts) {
+  sorted_copies s;
+  s.counts.assign(static_cast<std::size_t>(experts), 0);
+  for (i64 e : ids)
+    ++s.counts[static_cast<std::size_t>(e)];
+  int end = 0;
+  for (int e = 0; e < experts; ++e) {
+    end += static_cast<int>(s.counts[static_cast<std::size_t>(e)]);
+    s.offsets.push_back(end);
+    if (s.counts[static_cast<std::size_t>(e)] > 0)
+      s.active.push_back(e);
+  }
+  s.inverse.assign(ids.size(), -1);
+  for (int e = 0; e < experts; ++e)
+    for (std::size_t f = 0; f < ids.size(); ++f)
+      if (ids[f] == e) {
+        s.inverse[f] = static_cast<i64>(s.order.size());
+        s.order.push_back(static_cast<i64>(f));
+        s.src_token.push_back(static_cast<i64>(f) / top_k);
+      }
+  return s;
+}
+
+// The bucket kernel's outputs on the device.
+struct device_bucket {
+  device_vec<i64> counts, order, src_token, inverse, loads;
+  device_vec<int> offsets, active;
+  device_bucket(int copies, int experts)
+    : counts(experts), order(copies), src_token(copies), inverse(copies),
+      loads(std::vector<i64>{5, 7}), offsets(experts), active(experts + 1) {}
+  kernels::bucket_out out() {
+    kernels::bucket_out b;
+    b.counts = counts.p;
+    b.offsets = offsets.p;
+    b.order = order.p;
+    b.src_token = src_token.p;
+    b.inverse = inverse.p;
+    b.active = active.p;
+    b.active_count = active.p + (active.n - 1);
+    b.loads = loads.p;
+    b.loads_n = 2;
+    return b;
+  }
+};
+
+TEST(GpuMoeKernels, BucketSortsCopiesByExpertStablyAndListsTheNonEmptyExperts) {
+  REQUIRE_GPUS(1);
+  const int tokens = 37, top_k = 4, experts = 64;
+  const auto ids = skewed_routing(tokens, top_k, experts, 3);
+  const int copies = tokens * top_k;
+  device_vec<i64> d_ids(ids);
+  device_bucket d(copies, experts);
+  kernels::bucket(d_ids.p, copies, top_k, experts, d.out(), nullptr);
+  CUDA_OK(cudaDeviceSynchronize());
+  const auto want = host_bucket(ids, top_k, experts);
+  EXPECT_EQ(d.counts.host(), want.counts);
+  EXPECT_EQ(d.offsets.host(), want.offsets);
+  EXPECT_EQ(d.order.host(), want.order);
+  EXPECT_EQ(d.src_token.host(), want.src_token);
+  EXPECT_EQ(d.inverse.host(), want.inverse);
+  auto active = d.active.host();
+  const int used = active.back();
+  ASSERT_EQ(used, static_cast<int>(want.active.size()));
+  active.resize(static_cast<std::size_t>(used));
+  EXPECT_EQ(active, want.active);
+  EXPECT_EQ(d.loads.host(), (std::vector<i64>{5 + used, 7 + used}));
+}
+
+// Routing: softmax over the experts, the top k by probability with ties to the lower id,
+// renormalized or not, against the host; the logits are bf16 with whole runs of equal values.
+TEST(GpuMoeKernels, RouteTakesTheTopKWithTiesToTheLowerIdAsTheHostDoes) {
+  REQUIRE_GPUS(1);
+  const int tokens = 5, experts = 40, top_k = 6;
+  std::vector<std::uint16_t> logits;
+  for (int t = 0; t < tokens; ++t)
+    for (int e = 0; e < experts; ++e) // token t: values repeat every 3 + t experts
+      logits.push_back(to_bf16(0.25f * float((e * 7) % (3 + t))));
+  device_vec<std::uint16_t> d_logits(logits);
+  for (const bool renormalize : {false, true}) {
+    device_vec<i64> ids(static_cast<std::size_t>(tokens * top_k));
+    device_vec<float> weights(static_cast<std::size_t>(tokens * top_k));
+    kernels::route(d_logits.p, tokens, experts, top_k, renormalize, ids.p, weights.p, nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+    const auto got_ids = ids.host();
+    const auto got_w = weights.host();
+    for (int t = 0; t < tokens; ++t) {
+      std::vector<double> p(static_cast<std::size_t>(experts));
+      double mx = -1e30, sum = 0;
+      for (int e = 0; e < experts; ++e)
+        mx = std::max(mx, double(from_bf16(logits[static_cast<std::size_t>(t * experts + e)])));
+      for (int e = 0; e < experts; ++e)
+        sum += p[static_cast<std::size_t>(e)] =
+          std::exp(double(from_bf16(logits[static_cast<std::size_t>(t * experts + e)])) - mx);
+      std::vector<int> rank(static_cast<std::size_t>(experts));
+      std::iota(rank.begin(), rank.end(), 0);
+      std::stable_sort(rank.begin(), rank.end(), [&](int a, int b) {
+        return p[static_cast<std::size_t>(a)] > p[static_cast<std::size_t>(b)];
+      });
+      double kept = 0;
+      for (int j = 0; j < top_k; ++j)
+        kept += p[static_cast<std::size_t>(rank[static_cast<std::size_t>(j)])] / sum;
+      for (int j = 0; j < top_k; ++j) {
+        const std::size_t at = static_cast<std::size_t>(t * top_k + j);
+        const int want = rank[static_cast<std::size_t>(j)];
+        EXPECT_EQ(got_ids[at], want) << "token " << t << " choice " << j;
+        const double prob = p[static_cast<std::size_t>(want)] / sum / (renormalize ? kept : 1.0);
+        EXPECT_NEAR(got_w[at], prob, 1e-5) << "token " << t << " choice " << j;
+      }
+    }
+  }
+}
+
+// x-row(p) . w[e]^T for the sorted copies, fp32 over the bf16 values; GLU: silu(gate) * up.
+std::vector<float> host_projection(const std::vector<std::uint16_t>& x,
+                                   const std::vector<i64>* x_rows,
+                                   const std::vector<std::uint16_t>& w, const sorted_copies& s,
+                                   const std::vector<i64>& ids, int rows, int k, bool glu) {
+  const int cols = glu ? rows / 2 : rows;
+  std::vector<float> y(s.order.size() * static_cast<std::size_t>(cols));
+  for (std::size_t p = 0; p < s.order.size(); ++p) {
+    const i64 e = ids[static_cast<std::size_t>(s.order[p])];
+    const i64 xr = x_rows != nullptr ? (*x_rows)[p] : static_cast<i64>(p);
+    std::vector<double> dot(static_cast<std::size_t>(rows));
+    for (int r = 0; r < rows; ++r) {
+      double acc = 0;
+      for (int c = 0; c < k; ++c)
+        acc += double(from_bf16(x[static_cast<std::size_t>(xr * k + c)]))
+               * from_bf16(w[static_cast<std::size_t>((e * rows + r) * k + c)]);
+      dot[static_cast<std::size_t>(r)] = acc;
+    }
+    for (int c = 0; c < cols; ++c) {
+      const double v = glu ? dot[static_cast<std::size_t>(c)] / (1 + std::exp(-dot[static_cast<std::size_t>(c)]))
+                               * dot[static_cast<std::size_t>(cols + c)]
+                           : dot[static_cast<std::size_t>(c)];
+      y[p * static_cast<std::size_t>(cols) + static_cast<std::size_t>(c)] = static_cast<float>(v);
+    }
+  }
+  return y;
+}
+
+struct projection_case {
+  int rows, k;
+  bool glu;
+};
+
+// gate_up (GLU, x gathered through src_token) and down (x by sorted position), for 70 tokens
+// routed over 32 experts: expert 0 takes all 70 copies (three passes of up to 32), some take
+// one, a quarter none. Every k-split that divides the shape, each against the reference; 48
+// rows are 3 warp tiles (blocks with idle warps).
+TEST(GpuMoeKernels, ExpertMmaMatchesTheHostReferenceAtEveryKSplit) {
+  REQUIRE_GPUS(1);
+  const int tokens = 70, top_k = 4, experts = 32;
+  const int copies = tokens * top_k;
+  const auto ids = skewed_routing(tokens, top_k, experts, 11);
+  const auto want = host_bucket(ids, top_k, experts);
+  ASSERT_GT(want.counts[0], 64);
+  device_vec<i64> d_ids(ids);
+  device_bucket d(copies, experts);
+  kernels::bucket(d_ids.p, copies, top_k, experts, d.out(), nullptr);
+  for (const projection_case pc : {projection_case{256, 512, true}, projection_case{512, 256, false},
+                                   projection_case{48, 128, false}}) {
+    const int in_rows = pc.glu ? tokens : copies;
+    const auto x = random_bf16(static_cast<std::size_t>(in_rows) * pc.k, 5, 1.0f);
+    const auto w = random_bf16(static_cast<std::size_t>(experts) * pc.rows * pc.k, 9,
+                               1.0f / std::sqrt(float(pc.k)));
+    const auto reference =
+      host_projection(x, pc.glu ? &want.src_token : nullptr, w, want, ids, pc.rows, pc.k, pc.glu);
+    device_vec<std::uint16_t> d_x(x), d_w(w);
+    const int cols = pc.glu ? pc.rows / 2 : pc.rows;
+    kernels::expert_mma_args a;
+    a.x = d_x.p;
+    a.x_rows = pc.glu ? d.src_token.p : nullptr;
+    a.w = d_w.p;
+    a.active = d.active.p;
+    a.active_count = d.active.p + experts;
+    a.counts = d.counts.p;
+    a.offsets = d.offsets.p;
+    a.rows = pc.rows;
+    a.k = pc.k;
+    a.glu = pc.glu;
+    ASSERT_TRUE(kernels::expert_mma_supported(a)) << pc.rows << "x" << pc.k;
+    int splits_run = 0;
+    for (int ks = 1; ks <= 8; ks *= 2) {
+      if (kernels::expert_mma_ksplit(a, copies, experts, ks) != ks)
+        continue;
+      ++splits_run;
+      device_vec<std::uint16_t> d_y(static_cast<std::size_t>(copies) * cols);
+      CUDA_OK(cudaMemset(d_y.p, 0xff, d_y.n * 2)); // NaN: a row left unwritten shows
+      a.y = d_y.p;
+      kernels::expert_mma(a, copies, experts, ks, nullptr);
+      CUDA_OK(cudaDeviceSynchronize());
+      const auto y = d_y.host();
+      double worst = 0;
+      for (std::size_t i = 0; i < y.size(); ++i) {
+        const double got = from_bf16(y[i]);
+        const double ref = reference[i];
+        ASSERT_TRUE(std::isfinite(got)) << "element " << i << " unwritten, ksplit " << ks;
+        worst = std::max(worst, std::abs(got - ref) / (std::abs(ref) + 0.05));
+      }
+      EXPECT_LT(worst, 0.02) << "rows " << pc.rows << " k " << pc.k << " glu " << pc.glu
+                             << " ksplit " << ks;
+    }
+    EXPECT_GE(splits_run, 2) << "rows " << pc.rows << " k " << pc.k;
+    const int automatic = kernels::expert_mma_ksplit(a, copies, experts, 0);
+    EXPECT_TRUE(automatic == 1 || automatic == 2 || automatic == 4 || automatic == 8);
+  }
+}
+
+// A k-split that does not divide the shape is refused, naming it; nothing is launched.
+TEST(GpuMoeKernels, AnExpertMmaSplitThatDoesNotDivideTheShapeIsRefused) {
+  REQUIRE_GPUS(1);
+  kernels::expert_mma_args a;
+  a.rows = 64;
+  a.k = 96;
+  EXPECT_EQ(kernels::expert_mma_ksplit(a, 8, 8, 8), 0); // k slices of 12: not a multiple of 32
+  EXPECT_EQ(kernels::expert_mma_ksplit(a, 8, 8, 3), 0);
+  try {
+    kernels::expert_mma(a, 8, 8, 8, nullptr);
+    FAIL() << "ksplit 8 accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("ksplit 8"), std::string::npos) << e.what();
+  }
+  a.rows = 24; // not a multiple of 16
+  EXPECT_FALSE(kernels::expert_mma_supported(a));
+}
+
+} // namespace
