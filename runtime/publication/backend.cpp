@@ -16,7 +16,7 @@ namespace refit::publication {
 
 namespace {
 
-[[noreturn]] void no_cuda(const device::spec& device, const std::string& what) {
+[[noreturn, maybe_unused]] void no_cuda(const device::spec& device, const std::string& what) {
   throw std::invalid_argument(device::to_string(device) + ": " + what
                               + " on CUDA devices needs a build with REFIT_CUDA=ON");
 }
