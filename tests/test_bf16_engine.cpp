@@ -346,6 +346,12 @@ TEST(Bf16Engine, ExpertMmaKnobsOutsideTheirRangesAreRefusedNamingTheVariable) {
                      " is not 0, 1, 2, 4 or 8", {"0", "4"});
 }
 
+// REFIT_ROUTE_BUCKET_MAX_TOKENS is a count of tokens up to the fused kernel's 32.
+TEST(Bf16Engine, ARouteBucketKnobOutsideZeroToThirtyTwoIsRefusedNamingTheVariable) {
+  expect_engine_knob("REFIT_ROUTE_BUCKET_MAX_TOKENS", {"33", "-1", "all"},
+                     " is not a count of tokens in [0, 32]", {"0", "32"});
+}
+
 // The expert-GEMV tuning knob (REFIT_EXPERT_GEMV_MAX_COPIES) is a count of routed copies.
 TEST(Bf16Engine, AnExpertGemvKnobThatIsNotACountIsRefusedNamingTheVariable) {
   expect_engine_knob("REFIT_EXPERT_GEMV_MAX_COPIES", {"eight", "-1", "12x", "1000001"},

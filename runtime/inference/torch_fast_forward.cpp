@@ -28,17 +28,18 @@ std::int64_t pow2_at_least(std::int64_t n) {
   return p;
 }
 
-// A tuning knob from the environment (a count of routed copies), or `fallback`. A value that
-// is not a whole number in [0, 1e6] is refused, naming the variable.
-static std::int64_t copies_knob(const char* name, std::int64_t fallback) {
+// A tuning knob from the environment (a count of `what`), or `fallback`. A value that is not a
+// whole number in [0, max] is refused, naming the variable.
+static std::int64_t count_knob(const char* name, std::int64_t fallback, const char* what,
+                               std::int64_t max = 1000000) {
   const char* v = std::getenv(name);
   if (v == nullptr || *v == '\0')
     return fallback;
   char* end = nullptr;
   const long long n = std::strtoll(v, &end, 10);
-  if (*end != '\0' || n < 0 || n > 1000000)
-    throw std::invalid_argument(std::string("bf16 engine: ") + name + "=" + v
-                                + " is not a count of routed copies in [0, 1000000]");
+  if (*end != '\0' || n < 0 || n > max)
+    throw std::invalid_argument(std::string("bf16 engine: ") + name + "=" + v + " is not a count of "
+                                + what + " in [0, " + std::to_string(max) + "]");
   return n;
 }
 
@@ -107,8 +108,10 @@ fast_rank_forward::fast_rank_forward(const rank_forward_options& o)
   fused_decode_attention_ = kernels::decode_attention_supported(
     static_cast<int>(head_dim_), static_cast<int>(q_heads_ / kv_heads_));
 #endif
-  gemv_max_copies_ = copies_knob("REFIT_EXPERT_GEMV_MAX_COPIES", gemv_max_copies_);
-  mma_max_copies_ = copies_knob("REFIT_EXPERT_MMA_MAX_COPIES", mma_max_copies_);
+  gemv_max_copies_ = count_knob("REFIT_EXPERT_GEMV_MAX_COPIES", gemv_max_copies_, "routed copies");
+  mma_max_copies_ = count_knob("REFIT_EXPERT_MMA_MAX_COPIES", mma_max_copies_, "routed copies");
+  route_bucket_max_tokens_ = count_knob("REFIT_ROUTE_BUCKET_MAX_TOKENS", route_bucket_max_tokens_,
+                                        "tokens", max_route_bucket_tokens);
   mma_ksplit_ = choice_knob("REFIT_EXPERT_MMA_KSPLIT", {"0", "1", "2", "4", "8"}, mma_ksplit_);
   [[maybe_unused]] const bool programmatic = flag_knob("REFIT_PDL", true);
 #if defined(REFIT_TORCH_CUDA)

@@ -298,6 +298,11 @@ private:
   // it has been measured on the H200 (docs/operations.md).
   std::int64_t mma_max_copies_ = 0;
   std::int64_t mma_ksplit_ = 0;
+  // Tokens up to which a step routes and sorts its copies in one launch (route_bucket, at most
+  // max_route_bucket_tokens, = kernels::max_route_bucket_tokens); REFIT_ROUTE_BUCKET_MAX_TOKENS
+  // sets it. Off (0) by default until measured on the H200.
+  static constexpr std::int64_t max_route_bucket_tokens = 32;
+  std::int64_t route_bucket_max_tokens_ = 0;
 #if defined(REFIT_TORCH_CUDA)
   std::optional<c10::cuda::CUDAStream> stream_;
   std::int64_t baseline_bytes_ = 0;

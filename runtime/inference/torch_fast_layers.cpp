@@ -276,13 +276,43 @@ at::Tensor fast_rank_forward::experts(const layer_tensors& w, const at::Tensor& 
   const at::Tensor router_logits = linear(h, w.router); // bf16 [n, E]
   at::Tensor weights; // fp32 [n, k]
   at::Tensor chosen;  // int64 [n * k]
+  [[maybe_unused]] const std::int64_t copies = n * top_k_;
+  at::Tensor counts, offsets, order, src_token, inverse, active;
 #if defined(REFIT_TORCH_CUDA)
-  if (fused_ && kernels::route_supported(static_cast<int>(experts_), static_cast<int>(top_k_))) {
+  static_assert(max_route_bucket_tokens == kernels::max_route_bucket_tokens);
+  const int ni = static_cast<int>(n), ei = static_cast<int>(experts_), ki = static_cast<int>(top_k_);
+  kernels::bucket_out b; // the counting sort's outputs, allocated by sorted()
+  const auto sorted = [&] {
+    counts = at::empty({experts_}, i64_);
+    offsets = at::empty({experts_}, i64_.dtype(at::kInt));
+    order = at::empty({copies}, i64_);
+    src_token = at::empty({copies}, i64_);
+    inverse = at::empty({copies}, i64_);
+    active = at::empty({experts_ + 1}, i64_.dtype(at::kInt)); // the ids, then their number
+    b.counts = counts.data_ptr<std::int64_t>();
+    b.offsets = offsets.data_ptr<int>();
+    b.order = order.data_ptr<std::int64_t>();
+    b.src_token = src_token.data_ptr<std::int64_t>();
+    b.inverse = inverse.data_ptr<std::int64_t>();
+    b.active = active.data_ptr<int>();
+    b.active_count = active.data_ptr<int>() + experts_;
+    b.loads = expert_loads_.data_ptr<std::int64_t>();
+    b.loads_n = decode ? 2 : 1;
+    return b;
+  };
+  if (fused_ && n <= route_bucket_max_tokens_ && kernels::route_bucket_supported(ni, ei, ki)) {
+    // one launch for a few tokens
     at::Tensor ids = at::empty({n, top_k_}, i64_);
     weights = at::empty({n, top_k_}, f32_);
-    kernels::route(router_logits.data_ptr(), static_cast<int>(n), static_cast<int>(experts_),
-                   static_cast<int>(top_k_), cfg_.norm_topk_prob, ids.data_ptr<std::int64_t>(),
-                   weights.data_ptr<float>(), stream());
+    kernels::route_bucket(router_logits.data_ptr(), ni, ei, ki, cfg_.norm_topk_prob,
+                          ids.data_ptr<std::int64_t>(), weights.data_ptr<float>(), sorted(),
+                          stream());
+    chosen = ids.reshape({-1});
+  } else if (fused_ && kernels::route_supported(ei, ki)) {
+    at::Tensor ids = at::empty({n, top_k_}, i64_);
+    weights = at::empty({n, top_k_}, f32_);
+    kernels::route(router_logits.data_ptr(), ni, ei, ki, cfg_.norm_topk_prob,
+                   ids.data_ptr<std::int64_t>(), weights.data_ptr<float>(), stream());
     chosen = ids.reshape({-1});
   }
 #endif
@@ -294,29 +324,10 @@ at::Tensor fast_rank_forward::experts(const layer_tensors& w, const at::Tensor& 
     if (cfg_.norm_topk_prob)
       weights = weights / weights.sum(-1, /*keepdim=*/true);
   }
-  [[maybe_unused]] const std::int64_t copies = n * top_k_;
-  at::Tensor counts, offsets, order, src_token, inverse, active;
 #if defined(REFIT_TORCH_CUDA)
-  if (fused_ && kernels::bucket_supported(static_cast<int>(copies), static_cast<int>(experts_))) {
-    counts = at::empty({experts_}, i64_);
-    offsets = at::empty({experts_}, i64_.dtype(at::kInt));
-    order = at::empty({copies}, i64_);
-    src_token = at::empty({copies}, i64_);
-    inverse = at::empty({copies}, i64_);
-    active = at::empty({experts_ + 1}, i64_.dtype(at::kInt)); // the ids, then their number
-    kernels::bucket_out b;
-    b.counts = counts.data_ptr<std::int64_t>();
-    b.offsets = offsets.data_ptr<int>();
-    b.order = order.data_ptr<std::int64_t>();
-    b.src_token = src_token.data_ptr<std::int64_t>();
-    b.inverse = inverse.data_ptr<std::int64_t>();
-    b.active = active.data_ptr<int>();
-    b.active_count = active.data_ptr<int>() + experts_;
-    b.loads = expert_loads_.data_ptr<std::int64_t>();
-    b.loads_n = decode ? 2 : 1;
-    kernels::bucket(chosen.data_ptr<std::int64_t>(), static_cast<int>(copies),
-                    static_cast<int>(top_k_), static_cast<int>(experts_), b, stream());
-  }
+  if (!order.defined() && fused_ && kernels::bucket_supported(static_cast<int>(copies), ei))
+    kernels::bucket(chosen.data_ptr<std::int64_t>(), static_cast<int>(copies), ki, ei, sorted(),
+                    stream());
 #endif
   if (!order.defined()) {
     auto by_expert = at::sort(chosen, c10::optional<bool>(true), /*dim=*/0, /*descending=*/false);
