@@ -119,7 +119,9 @@ void expert_gemv(const gemv_args& args, void* stream);
 // GLU (gate_up): y bf16 [m, rows / 2] = silu(gate) * up, the gate rows first in w; else
 // y bf16 [m, rows]. ksplit warps share each 16-row tile's k (more blocks for few experts):
 // expert_mma_ksplit picks it (enough blocks to fill the device for copies routed over
-// `experts`), or checks `wanted` (> 0); 0: the shape does not divide.
+// `experts`), or checks `wanted` (> 0); 0: the shape does not divide. max_chunks (4, 2 or 1)
+// bounds the 16-byte weight chunks a lane holds per row and k-step (registers vs. bytes in
+// flight).
 struct expert_mma_args {
   const void* x = nullptr;
   const std::int64_t* x_rows = nullptr;
@@ -132,6 +134,7 @@ struct expert_mma_args {
   int rows = 0;
   int k = 0;
   bool glu = false;
+  int max_chunks = 4;
 };
 bool expert_mma_supported(const expert_mma_args& args);
 int expert_mma_ksplit(const expert_mma_args& args, int copies, int experts, int wanted);

@@ -180,9 +180,10 @@ __global__ void __launch_bounds__(mma_warps * 32, 2)
   }
 }
 
-// The chunk count per lane and k-iteration that divides a k-slice (4, 2 or 1), 0 if none.
-int chunks_for(int span) {
-  for (int ch = 4; ch >= 1; ch /= 2)
+// The largest chunk count per lane and k-iteration, at most max_chunks, that divides a k-slice
+// (4, 2 or 1), 0 if none.
+int chunks_for(int span, int max_chunks) {
+  for (int ch = max_chunks >= 4 ? 4 : max_chunks >= 2 ? 2 : 1; ch >= 1; ch /= 2)
     if (span % (32 * ch) == 0)
       return ch;
   return 0;
@@ -192,7 +193,7 @@ int chunks_for(int span) {
 int warp_tiles(const expert_mma_args& a) { return a.rows / 16; }
 
 bool ksplit_fits(const expert_mma_args& a, int ksplit) {
-  return warp_tiles(a) > 0 && a.k % ksplit == 0 && chunks_for(a.k / ksplit) > 0;
+  return warp_tiles(a) > 0 && a.k % ksplit == 0 && chunks_for(a.k / ksplit, a.max_chunks) > 0;
 }
 
 // Blocks per expert: row_warps tiles each, the last one possibly in part.
@@ -211,7 +212,7 @@ void launch_mma(const expert_mma_args& a, int ksplit, int experts_bound, cudaStr
 
 template <bool GLU>
 void launch_for_chunks(const expert_mma_args& a, int ksplit, int experts_bound, cudaStream_t s) {
-  switch (chunks_for(a.k / ksplit)) {
+  switch (chunks_for(a.k / ksplit, a.max_chunks)) {
     case 4: return launch_mma<4, GLU>(a, ksplit, experts_bound, s);
     case 2: return launch_mma<2, GLU>(a, ksplit, experts_bound, s);
     case 1: return launch_mma<1, GLU>(a, ksplit, experts_bound, s);
