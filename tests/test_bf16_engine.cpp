@@ -348,12 +348,6 @@ TEST(Bf16Engine, ExpertMmaKnobsOutsideTheirRangesAreRefusedNamingTheVariable) {
   expect_engine_knob("REFIT_EXPERT_MMA_CHUNKS", {"0", "3", "8"}, " is not 1, 2 or 4", {"2"});
 }
 
-// REFIT_ROUTE_BUCKET_MAX_TOKENS is a count of tokens up to the fused kernel's 32.
-TEST(Bf16Engine, ARouteBucketKnobOutsideZeroToThirtyTwoIsRefusedNamingTheVariable) {
-  expect_engine_knob("REFIT_ROUTE_BUCKET_MAX_TOKENS", {"33", "-1", "all"},
-                     " is not a count of tokens in [0, 32]", {"0", "32"});
-}
-
 // The expert-GEMV tuning knob (REFIT_EXPERT_GEMV_MAX_COPIES) is a count of routed copies.
 TEST(Bf16Engine, AnExpertGemvKnobThatIsNotACountIsRefusedNamingTheVariable) {
   expect_engine_knob("REFIT_EXPERT_GEMV_MAX_COPIES", {"eight", "-1", "12x", "1000001"},

@@ -56,16 +56,14 @@ struct scoped_env {
 // engine is built with REFIT_EXPERT_GEMV_MAX_COPIES = `gemv_copies` and
 // REFIT_EXPERT_MMA_MAX_COPIES = `mma_copies` ("8", "0": the two decode rows' 8 copies take the
 // expert GEMV, the prefill's 328 the grouped GEMM, as by default; "0", "4096": every step takes
-// the tensor-core kernel, and the decode steps route + sort in one launch).
+// the tensor-core kernel).
 void expect_fused_matches_aten(const char* gemv_copies, const char* mma_copies) {
   const auto cfg = refit::testing::small_model();
   const auto w = engine_synthetic(cfg);
   const auto tokens = engine_prompt(41, 2, 512);
   gpu_memory mem;
-  const bool opt_in = std::string(mma_copies) != "0";
   const scoped_env env({{"REFIT_EXPERT_GEMV_MAX_COPIES", gemv_copies},
-                        {"REFIT_EXPERT_MMA_MAX_COPIES", mma_copies},
-                        {"REFIT_ROUTE_BUCKET_MAX_TOKENS", opt_in ? "32" : "0"}}); // ATen: unused
+                        {"REFIT_EXPERT_MMA_MAX_COPIES", mma_copies}}); // the ATen rig ignores them
   auto fused = gpu_rig(mem, cfg, w, model::dtype::bfloat16, 8, 8, true, true);
   auto aten = gpu_rig(mem, cfg, w, model::dtype::bfloat16, 8, 8, true, false);
   const auto a = log_softmax_rows(fused.logits(tokens, 11, 8), cfg.vocab_size);
@@ -165,16 +163,14 @@ struct decode_fixture {
 };
 
 // Graphed against eager decode steps of five sequences, greedy and sampled, and graph replays
-// against each other; `experts_on_mma`: every step's experts on the tensor-core kernel, the
-// decode steps' routing and sort in one launch.
+// against each other; `experts_on_mma`: every step's experts on the tensor-core kernel.
 void expect_graph_replay_equals_eager(bool experts_on_mma) {
   const auto cfg = refit::testing::tiny_model();
   const auto w = engine_synthetic(cfg);
   gpu_memory mem;
   using vars = std::vector<std::pair<std::string, std::string>>;
   const scoped_env env(experts_on_mma ? vars{{"REFIT_EXPERT_GEMV_MAX_COPIES", "0"},
-                                             {"REFIT_EXPERT_MMA_MAX_COPIES", "4096"},
-                                             {"REFIT_ROUTE_BUCKET_MAX_TOKENS", "32"}}
+                                             {"REFIT_EXPERT_MMA_MAX_COPIES", "4096"}}
                                       : vars{});
   auto graphed = gpu_rig(mem, cfg, w, model::dtype::bfloat16, 8, 64, true);
   auto eager = gpu_rig(mem, cfg, w, model::dtype::bfloat16, 8, 64, false);

@@ -216,40 +216,6 @@ TEST(GpuMoeKernels, RouteTakesTheTopKWithTiesToTheLowerIdAsTheHostDoes) {
   }
 }
 
-// The one-launch route + bucket of a few tokens writes what route then bucket write, at 1, 7 and
-// 32 tokens (the largest it takes), and refuses 33.
-TEST(GpuMoeKernels, RouteBucketInOneLaunchEqualsRouteThenBucket) {
-  REQUIRE_GPUS(1);
-  const int experts = 128, top_k = 8;
-  for (const int tokens : {1, 7, kernels::max_route_bucket_tokens}) {
-    SCOPED_TRACE(tokens);
-    const auto logits = random_bf16(static_cast<std::size_t>(tokens) * experts, 17, 3.0f);
-    device_vec<std::uint16_t> d_logits(logits);
-    const std::size_t copies = static_cast<std::size_t>(tokens) * top_k;
-    device_vec<i64> ids_a(copies), ids_b(copies);
-    device_vec<float> w_a(copies), w_b(copies);
-    device_bucket a(static_cast<int>(copies), experts), b(static_cast<int>(copies), experts);
-    ASSERT_TRUE(kernels::route_bucket_supported(tokens, experts, top_k));
-    kernels::route(d_logits.p, tokens, experts, top_k, true, ids_a.p, w_a.p, nullptr);
-    kernels::bucket(ids_a.p, static_cast<int>(copies), top_k, experts, a.out(), nullptr);
-    kernels::route_bucket(d_logits.p, tokens, experts, top_k, true, ids_b.p, w_b.p, b.out(),
-                          nullptr);
-    CUDA_OK(cudaDeviceSynchronize());
-    EXPECT_EQ(ids_a.host(), ids_b.host());
-    EXPECT_EQ(w_a.host(), w_b.host());
-    EXPECT_EQ(a.counts.host(), b.counts.host());
-    EXPECT_EQ(a.offsets.host(), b.offsets.host());
-    EXPECT_EQ(a.order.host(), b.order.host());
-    EXPECT_EQ(a.src_token.host(), b.src_token.host());
-    EXPECT_EQ(a.inverse.host(), b.inverse.host());
-    EXPECT_EQ(a.active.host(), b.active.host());
-    EXPECT_EQ(a.loads.host(), b.loads.host());
-    const auto want = host_bucket(ids_a.host(), top_k, experts);
-    EXPECT_EQ(b.order.host(), want.order);
-  }
-  EXPECT_FALSE(kernels::route_bucket_supported(kernels::max_route_bucket_tokens + 1, 128, 8));
-}
-
 // x-row(p) . w[e]^T for the sorted copies, fp32 over the bf16 values; GLU: silu(gate) * up.
 std::vector<float> host_projection(const std::vector<std::uint16_t>& x,
                                    const std::vector<i64>* x_rows,

@@ -110,8 +110,6 @@ fast_rank_forward::fast_rank_forward(const rank_forward_options& o)
 #endif
   gemv_max_copies_ = count_knob("REFIT_EXPERT_GEMV_MAX_COPIES", gemv_max_copies_, "routed copies");
   mma_max_copies_ = count_knob("REFIT_EXPERT_MMA_MAX_COPIES", mma_max_copies_, "routed copies");
-  route_bucket_max_tokens_ = count_knob("REFIT_ROUTE_BUCKET_MAX_TOKENS", route_bucket_max_tokens_,
-                                        "tokens", max_route_bucket_tokens);
   mma_ksplit_ = choice_knob("REFIT_EXPERT_MMA_KSPLIT", {"0", "1", "2", "4", "8"}, mma_ksplit_);
   mma_chunks_ = choice_knob("REFIT_EXPERT_MMA_CHUNKS", {"1", "2", "4"}, mma_chunks_);
   [[maybe_unused]] const bool programmatic = flag_knob("REFIT_PDL", true);

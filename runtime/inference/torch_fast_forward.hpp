@@ -299,11 +299,6 @@ private:
   std::int64_t mma_max_copies_ = 0;
   std::int64_t mma_ksplit_ = 0;
   std::int64_t mma_chunks_ = 4; // expert_mma_args::max_chunks (REFIT_EXPERT_MMA_CHUNKS)
-  // Tokens up to which a step routes and sorts its copies in one launch (route_bucket, at most
-  // max_route_bucket_tokens, = kernels::max_route_bucket_tokens); REFIT_ROUTE_BUCKET_MAX_TOKENS
-  // sets it. Off (0) by default until measured on the H200.
-  static constexpr std::int64_t max_route_bucket_tokens = 32;
-  std::int64_t route_bucket_max_tokens_ = 0;
 #if defined(REFIT_TORCH_CUDA)
   std::optional<c10::cuda::CUDAStream> stream_;
   std::int64_t baseline_bytes_ = 0;

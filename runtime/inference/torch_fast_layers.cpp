@@ -279,7 +279,6 @@ at::Tensor fast_rank_forward::experts(const layer_tensors& w, const at::Tensor& 
   [[maybe_unused]] const std::int64_t copies = n * top_k_;
   at::Tensor counts, offsets, order, src_token, inverse, active;
 #if defined(REFIT_TORCH_CUDA)
-  static_assert(max_route_bucket_tokens == kernels::max_route_bucket_tokens);
   const int ni = static_cast<int>(n), ei = static_cast<int>(experts_), ki = static_cast<int>(top_k_);
   kernels::bucket_out b; // the counting sort's outputs, allocated by sorted()
   const auto sorted = [&] {
@@ -300,15 +299,7 @@ at::Tensor fast_rank_forward::experts(const layer_tensors& w, const at::Tensor& 
     b.loads_n = decode ? 2 : 1;
     return b;
   };
-  if (fused_ && n <= route_bucket_max_tokens_ && kernels::route_bucket_supported(ni, ei, ki)) {
-    // one launch for a few tokens
-    at::Tensor ids = at::empty({n, top_k_}, i64_);
-    weights = at::empty({n, top_k_}, f32_);
-    kernels::route_bucket(router_logits.data_ptr(), ni, ei, ki, cfg_.norm_topk_prob,
-                          ids.data_ptr<std::int64_t>(), weights.data_ptr<float>(), sorted(),
-                          stream());
-    chosen = ids.reshape({-1});
-  } else if (fused_ && kernels::route_supported(ei, ki)) {
+  if (fused_ && kernels::route_supported(ei, ki)) {
     at::Tensor ids = at::empty({n, top_k_}, i64_);
     weights = at::empty({n, top_k_}, f32_);
     kernels::route(router_logits.data_ptr(), ni, ei, ki, cfg_.norm_topk_prob,

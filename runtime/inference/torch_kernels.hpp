@@ -83,13 +83,6 @@ struct bucket_out {
 void bucket(const std::int64_t* ids, int copies, int top_k, int experts, const bucket_out& out,
             void* stream);
 
-// route then bucket in one launch, for a step of at most max_route_bucket_tokens tokens (one
-// warp routes each): the same outputs as the two calls.
-inline constexpr int max_route_bucket_tokens = 32;
-bool route_bucket_supported(int n, int experts, int top_k);
-void route_bucket(const void* logits, int n, int experts, int top_k, bool renormalize,
-                  std::int64_t* ids, float* weights, const bucket_out& out, void* stream);
-
 
 // Few routed copies (decode at small batch): y bf16 [m, n] = x-row(p) times w bf16 [e, n, k]^T
 // of copy p's expert, every expert's weights read once for all of its copies (a GEMV per

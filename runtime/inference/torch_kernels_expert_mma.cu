@@ -31,10 +31,11 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], unsigned a0, unsigned a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// 16 bytes of weights read once: not kept in L1.
+// 16 bytes of weights read once: not kept in L1; L2 fetches the 256 bytes around them (the
+// row's next k-steps).
 __device__ __forceinline__ uint4 load_stream(const bf16* p) {
   uint4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
       : "l"(p));
   return v;
@@ -82,8 +83,10 @@ __device__ __forceinline__ void mma_stage(const bf16* const (&xr)[mma_token_tile
 // GLU: tile r holds gate rows 8r..8r+7 (A rows 0..7) and their up rows rows / 2 + 8r.. (A
 // rows 8..15) of w [e, rows, k]; y [m, rows / 2] = silu(gate) * up. Else tile r holds rows
 // 16r..16r+15 of w [e, rows, k]; y [m, rows].
+// Registers: CH 4 holds two 4-chunk stages of two rows (64 registers) and runs one block per SM
+// without spilling; CH 2 and 1 fit two blocks per SM (ptxas -v, sm_90).
 template <int CH, bool GLU>
-__global__ void __launch_bounds__(mma_warps * 32, 2)
+__global__ void __launch_bounds__(mma_warps * 32, CH >= 4 ? 1 : 2)
   expert_mma_kernel(const bf16* __restrict__ x, const i64* __restrict__ x_rows,
                     const bf16* __restrict__ w, const int* __restrict__ active,
                     const int* __restrict__ active_count, const i64* __restrict__ counts,

@@ -172,20 +172,6 @@ __global__ void __launch_bounds__(1024)
   bucket_block(ids, copies, top_k, experts, out);
 }
 
-// Both in one block for a few tokens (one warp each): the ids the warps wrote are visible to the
-// whole block after the barrier, and the step saves a launch and a round trip through DRAM.
-__global__ void __launch_bounds__(1024)
-  route_bucket_kernel(const bf16* __restrict__ logits, int n, int experts, int top_k,
-                      bool renormalize, i64* __restrict__ ids, float* __restrict__ weights,
-                      bucket_out out) {
-  pdl_enter();
-  const int token = threadIdx.x >> 5;
-  if (token < n)
-    route_token(logits, token, experts, top_k, renormalize, ids, weights);
-  __syncthreads();
-  bucket_block(ids, n * top_k, top_k, experts, out);
-}
-
 // --------------------------------------------------------------- expert GEMV
 
 // One block per (expert group, 8 output rows): the group's first sorted copy does the group
@@ -311,23 +297,6 @@ void bucket(const std::int64_t* ids, int copies, int top_k, int experts, const b
             void* stream) {
   launch("bucket", bucket_kernel, dim3(1), dim3(max_bucket_experts), as_stream(stream), ids,
          copies, top_k, experts, out);
-}
-
-bool route_bucket_supported(int n, int experts, int top_k) {
-  return n >= 1 && n <= max_route_bucket_tokens && route_supported(experts, top_k)
-         && bucket_supported(n * top_k, experts);
-}
-
-void route_bucket(const void* logits, int n, int experts, int top_k, bool renormalize,
-                  std::int64_t* ids, float* weights, const bucket_out& out, void* stream) {
-  if (!route_bucket_supported(n, experts, top_k))
-    throw std::invalid_argument("route_bucket: " + std::to_string(n) + " tokens over "
-                                + std::to_string(experts) + " experts, top " +
-                                std::to_string(top_k) + " (at most "
-                                + std::to_string(max_route_bucket_tokens) + " tokens)");
-  launch("route_bucket", route_bucket_kernel, dim3(1), dim3(max_bucket_experts),
-         as_stream(stream), static_cast<const bf16*>(logits), n, experts, top_k, renormalize, ids,
-         weights, out);
 }
 
 bool expert_gemv_supported(std::int64_t copies, std::int64_t k, std::int64_t max_copies) {
