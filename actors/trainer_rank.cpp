@@ -165,12 +165,14 @@ rank_report run_materialize(const trainer_rank_options& o, const std::string& uu
   if (const auto* f = find_fault(s, "fail_materialize"); f && f->chunk == k)
     return failed(r, "injected materialization failure at chunk " + std::to_string(k));
   const auto& chunk = s.plan.chunks[k];
+  std::vector<emitted_tensor> emitted; // what the exporter emits for the chunk, checked first
+  emitted.reserve(chunk.tensors.size());
   for (std::size_t j = 0; j < chunk.tensors.size(); ++j) {
     const auto& planned = chunk.tensors[j].meta;
     if (s.cursor + j >= s.stream.size())
       return failed(r, "the exporter ran out of tensors where the plan expects " + planned.name);
-    if (auto why = emission_error(emitted_at(shards, s, s.cursor + j).get(), planned);
-        !why.empty())
+    emitted.push_back(emitted_at(shards, s, s.cursor + j));
+    if (auto why = emission_error(emitted.back().get(), planned); !why.empty())
       return failed(r, why);
   }
   const bool direct = s.spec.mode == "direct";
@@ -185,11 +187,11 @@ rank_report run_materialize(const trainer_rank_options& o, const std::string& uu
   std::vector<publication::gather_item> items;
   std::string record_error;
   try {
-    for (const auto& planned : chunk.tensors) {
-      const auto index = s.stream[s.cursor];
-      const auto emitted = emitted_at(shards, s, s.cursor++);
-      s.emitted.push_back(emitted.get());
-      s.manifest->add(emitted.get());
+    for (std::size_t j = 0; j < chunk.tensors.size(); ++j) {
+      const auto& planned = chunk.tensors[j];
+      const auto index = s.stream[s.cursor++];
+      s.emitted.push_back(emitted[j].get());
+      s.manifest->add(emitted[j].get());
       if (!direct)
         items.push_back(shards.item(index, buffer + planned.offset));
       tensor_meta tm;
