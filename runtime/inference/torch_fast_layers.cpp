@@ -9,15 +9,16 @@ at::Tensor fast_rank_forward::rms_norm(const at::Tensor& x, const at::Tensor& w)
   return x * at::rsqrt(variance + cfg_.rms_norm_eps) * w; // fp32 (w promoted)
 }
 
+// What the fused kernels' 16-byte loads need: contiguous bf16 from a 16-byte aligned address.
+[[maybe_unused]] static bool streamable(const at::Tensor& t) {
+  return t.is_contiguous() && t.scalar_type() == at::kBFloat16
+         && reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16 == 0;
+}
+
 at::Tensor fast_rank_forward::linear(const at::Tensor& x, const at::Tensor& w) const {
 #if defined(REFIT_TORCH_CUDA)
-  const auto aligned = [](const at::Tensor& t) {
-    return reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16 == 0;
-  };
-  if (fused_ && x.dim() == 2 && w.dim() == 2 && x.scalar_type() == at::kBFloat16
-      && w.scalar_type() == at::kBFloat16 && x.size(1) == w.size(1) && x.is_contiguous()
-      && w.is_contiguous() && aligned(x) && aligned(w)
-      && kernels::dense_gemv_supported(x.size(0), x.size(1))) {
+  if (fused_ && x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && streamable(x)
+      && streamable(w) && kernels::dense_gemv_supported(x.size(0), x.size(1))) {
     at::Tensor y = at::empty({x.size(0), w.size(0)}, bf_);
     kernels::dense_gemv(x.data_ptr(), w.data_ptr(), y.data_ptr(), static_cast<int>(x.size(0)),
                         static_cast<int>(w.size(0)), static_cast<int>(x.size(1)), stream());
@@ -369,7 +370,8 @@ at::Tensor fast_rank_forward::expert_projections(const layer_tensors& w, const a
                                                  const at::Tensor& src_token,
                                                  const at::Tensor& active) const {
 #if defined(REFIT_TORCH_CUDA)
-  if (fused_ && active.defined() && copies <= mma_max_copies_ && copies > gemv_max_copies_) {
+  if (fused_ && active.defined() && copies <= mma_max_copies_ && copies > gemv_max_copies_
+      && streamable(h) && streamable(w.w13) && streamable(w.w2)) {
     kernels::expert_mma_args up, down;
     up.x = h.data_ptr();
     up.x_rows = src_token.data_ptr<std::int64_t>();
