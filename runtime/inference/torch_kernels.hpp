@@ -66,7 +66,8 @@ void route(const void* logits, int n, int experts, int top_k, bool renormalize,
 // Counting sort of the n * top_k routed copies by expert, stable in flat index order:
 // counts int64 [e], offsets int32 [e] (cumulative ends), order int64 [m] (sorted position ->
 // flat index), src_token int64 [m] (= order / top_k), inverse int64 [m] (flat -> sorted),
-// active int32 [e] (the non-empty experts in id order; their number in *active_count);
+// active int32 [e] (the non-empty experts in id order; their number in *active_count; both
+// optional);
 // adds the number of non-empty experts to each of loads[0 .. loads_n).
 bool bucket_supported(int copies, int experts);
 struct bucket_out {

@@ -136,12 +136,13 @@ __device__ void bucket_block(const i64* __restrict__ ids, int copies, int top_k,
     start[e] = exclusive;
     out.offsets[e] = exclusive + c;
     out.counts[e] = c;
-    if (c > 0)
+    if (c > 0 && out.active != nullptr)
       out.active[(warp > 0 ? warp_used[warp - 1] : 0)
                  + __popc(nonempty & ((1u << lane) - 1u))] = e;
   }
   if (threadIdx.x == 0) {
-    *out.active_count = used;
+    if (out.active_count != nullptr)
+      *out.active_count = used;
     for (int i = 0; i < out.loads_n; ++i)
       out.loads[i] += used;
   }
