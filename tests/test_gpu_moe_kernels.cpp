@@ -312,21 +312,34 @@ TEST(GpuMoeKernels, ExpertMmaMatchesTheHostReferenceAtEveryKSplit) {
   }
 }
 
-// A k-split that does not divide the shape is refused, naming it; nothing is launched.
+// A k-split that does not divide the shape, or is not a power of two up to 8, is refused,
+// naming it; nothing is launched.
 TEST(GpuMoeKernels, AnExpertMmaSplitThatDoesNotDivideTheShapeIsRefused) {
   REQUIRE_GPUS(1);
-  kernels::expert_mma_args a;
-  a.rows = 64;
-  a.k = 96;
-  EXPECT_EQ(kernels::expert_mma_ksplit(a, 8, 8, 8), 0); // k slices of 12: not a multiple of 32
-  EXPECT_EQ(kernels::expert_mma_ksplit(a, 8, 8, 3), 0);
-  try {
-    kernels::expert_mma(a, 8, 8, 8, nullptr);
-    FAIL() << "ksplit 8 accepted";
-  } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("ksplit 8"), std::string::npos) << e.what();
+  struct refused {
+    int k, ksplit;
+    const char* why;
+  };
+  for (const refused r : {refused{96, 8, "k slices of 12: not a multiple of 32"},
+                          refused{192, 3, "slices of 64 divide, 3 is not a power of two"},
+                          refused{512, 16, "more than 8 warps per tile"}}) {
+    SCOPED_TRACE(r.why);
+    kernels::expert_mma_args a;
+    a.rows = 64;
+    a.k = r.k;
+    EXPECT_EQ(kernels::expert_mma_ksplit(a, 8, 8, r.ksplit), 0);
+    try {
+      kernels::expert_mma(a, 8, 8, r.ksplit, nullptr);
+      ADD_FAILURE() << "ksplit " << r.ksplit << " accepted";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("ksplit " + std::to_string(r.ksplit)),
+                std::string::npos)
+        << e.what();
+    }
   }
+  kernels::expert_mma_args a;
   a.rows = 24; // not a multiple of 16
+  a.k = 128;
   EXPECT_FALSE(kernels::expert_mma_supported(a));
 }
 

@@ -195,8 +195,10 @@ int chunks_for(int span, int max_chunks) {
 // Warp tiles per expert: 16 weight rows each (GLU: 8 gate rows and their 8 up rows).
 int warp_tiles(const expert_mma_args& a) { return a.rows / 16; }
 
+// 1, 2, 4 or 8 warps per tile, dividing k into slices the staging divides.
 bool ksplit_fits(const expert_mma_args& a, int ksplit) {
-  return warp_tiles(a) > 0 && a.k % ksplit == 0 && chunks_for(a.k / ksplit, a.max_chunks) > 0;
+  return ksplit >= 1 && ksplit <= mma_max_ksplit && (ksplit & (ksplit - 1)) == 0
+         && warp_tiles(a) > 0 && a.k % ksplit == 0 && chunks_for(a.k / ksplit, a.max_chunks) > 0;
 }
 
 // Blocks per expert: row_warps tiles each, the last one possibly in part.
@@ -228,9 +230,7 @@ void launch_for_chunks(const expert_mma_args& a, int ksplit, int experts_bound, 
 
 int expert_mma_ksplit(const expert_mma_args& a, int copies, int experts, int wanted) {
   if (wanted > 0)
-    return (wanted <= mma_max_ksplit && (wanted & (wanted - 1)) == 0 && ksplit_fits(a, wanted))
-             ? wanted
-             : 0;
+    return ksplit_fits(a, wanted) ? wanted : 0;
   const int bound = copies < experts ? copies : experts; // the non-empty experts, at most
   const int want_blocks = 4 * multiprocessors();
   int chosen = 0;
@@ -249,7 +249,7 @@ bool expert_mma_supported(const expert_mma_args& a) {
 }
 
 void expert_mma(const expert_mma_args& a, int copies, int experts, int ksplit, void* stream) {
-  if (ksplit < 1 || ksplit > mma_max_ksplit || !ksplit_fits(a, ksplit))
+  if (!ksplit_fits(a, ksplit))
     throw std::invalid_argument("expert_mma: ksplit " + std::to_string(ksplit)
                                 + " does not divide the projection (rows " + std::to_string(a.rows)
                                 + ", k " + std::to_string(a.k) + ")");
