@@ -141,6 +141,7 @@ TEST(Bench, GenerateReportIsCompleteAndConsistent) {
     EXPECT_TRUE(j.contains(key)) << key;
   EXPECT_EQ(j["benchmark"], "generate");
   EXPECT_EQ(j["weights"], "synthetic");
+  EXPECT_TRUE(j["engine_env"].is_object());
   EXPECT_EQ(j["tp"], 2);
   EXPECT_NE(j["bound_method"].get<std::string>().find("memcpy"), std::string::npos);
   EXPECT_EQ(j["bound_seconds_all"].size(), 2u * 2u * 2u) << "2 copies after each of 4 requests";
@@ -222,6 +223,21 @@ TEST(Bench, GenerateReportIsCompleteAndConsistent) {
     EXPECT_EQ(gap["max_abs"].get<double>(), 0.0) << "the CPU engine is the fp32 forward";
     EXPECT_EQ(gap["mean_abs"].get<double>(), 0.0);
   }
+}
+
+// The engine knobs set for a run are in its report (which kernels a result measured); the
+// others are not.
+TEST(Bench, GenerateRecordsTheEngineKnobsThatWereSet) {
+  auto r = refit::testing::run_command(
+    "env -u REFIT_EXPERT_MMA_MAX_COPIES REFIT_EXPERT_MMA_CHUNKS=2 REFIT_PDL=0 " + bench_exe()
+    + " generate --config " + tiny_config()
+    + " --batch 1 --prompt-len 8 --max-tokens 2 --repeat 1 --no-gap --bound-bytes 1048576"
+      " --bound-reps 1 --json 2>/dev/null");
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  const json j = json::parse(r.out);
+  EXPECT_EQ(j["engine_env"]["REFIT_EXPERT_MMA_CHUNKS"], "2");
+  EXPECT_EQ(j["engine_env"]["REFIT_PDL"], "0");
+  EXPECT_FALSE(j["engine_env"].contains("REFIT_EXPERT_MMA_MAX_COPIES"));
 }
 
 TEST(Bench, GenerateAtAnotherTemperatureSaysWhyTheGapIsNotCompared) {

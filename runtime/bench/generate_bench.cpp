@@ -33,6 +33,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <optional>
 
@@ -419,6 +420,14 @@ json generate_bench::run() {
   out["weights"] = d.checkpoint_path.empty() ? std::string("synthetic") : d.checkpoint_path;
   out["tp"] = cfg_.runtime.tp_size;
   out["devices"] = cfg_.runtime.devices;
+  // The engine's tuning knobs that were set (the runtime inherits this environment), so a
+  // result says which kernels it measured (docs/operations.md).
+  out["engine_env"] = json::object();
+  for (const char* knob : {"REFIT_PDL", "REFIT_TP_COMM", "REFIT_EXPERT_GEMV_MAX_COPIES",
+                           "REFIT_EXPERT_MMA_MAX_COPIES", "REFIT_EXPERT_MMA_KSPLIT",
+                           "REFIT_EXPERT_MMA_CHUNKS"})
+    if (const char* v = std::getenv(knob); v != nullptr)
+      out["engine_env"][knob] = v;
   out["compute_dtype"] = cfg_.runtime.compute_dtype;
   // Device memory of TP worker 0: weights and KV arena (describe), and the engine's peak
   // workspace beyond them (the largest of the requests').
