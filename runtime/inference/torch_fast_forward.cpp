@@ -57,15 +57,6 @@ static std::int64_t choice_knob(const char* name, const std::vector<std::string>
   throw std::invalid_argument(std::string("bf16 engine: ") + name + "=" + v + " is not " + list);
 }
 
-static bool flag_knob(const char* name, bool fallback) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0')
-    return fallback;
-  if (std::string(v) == "0" || std::string(v) == "1")
-    return *v == '1';
-  throw std::invalid_argument(std::string("bf16 engine: ") + name + "=" + v + " is not 0 or 1");
-}
-
 fast_rank_forward::fast_rank_forward(const rank_forward_options& o)
   : tp_rank_dims(o),
     o_(o),
@@ -112,7 +103,7 @@ fast_rank_forward::fast_rank_forward(const rank_forward_options& o)
   mma_max_copies_ = count_knob("REFIT_EXPERT_MMA_MAX_COPIES", mma_max_copies_, "routed copies");
   mma_ksplit_ = choice_knob("REFIT_EXPERT_MMA_KSPLIT", {"0", "1", "2", "4", "8"}, mma_ksplit_);
   mma_chunks_ = choice_knob("REFIT_EXPERT_MMA_CHUNKS", {"1", "2", "4"}, mma_chunks_);
-  [[maybe_unused]] const bool programmatic = flag_knob("REFIT_PDL", true);
+  [[maybe_unused]] const bool programmatic = choice_knob("REFIT_PDL", {"0", "1"}, 1) == 1;
 #if defined(REFIT_TORCH_CUDA)
   if (device_.is_cuda())
     kernels::set_programmatic_launch(programmatic);
