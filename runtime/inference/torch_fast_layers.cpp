@@ -281,25 +281,6 @@ at::Tensor fast_rank_forward::experts(const layer_tensors& w, const at::Tensor& 
   at::Tensor counts, offsets, order, src_token, inverse, active;
 #if defined(REFIT_TORCH_CUDA)
   const int ni = static_cast<int>(n), ei = static_cast<int>(experts_), ki = static_cast<int>(top_k_);
-  kernels::bucket_out b; // the counting sort's outputs, allocated by sorted()
-  const auto sorted = [&] {
-    counts = at::empty({experts_}, i64_);
-    offsets = at::empty({experts_}, i64_.dtype(at::kInt));
-    order = at::empty({copies}, i64_);
-    src_token = at::empty({copies}, i64_);
-    inverse = at::empty({copies}, i64_);
-    active = at::empty({experts_ + 1}, i64_.dtype(at::kInt)); // the ids, then their number
-    b.counts = counts.data_ptr<std::int64_t>();
-    b.offsets = offsets.data_ptr<int>();
-    b.order = order.data_ptr<std::int64_t>();
-    b.src_token = src_token.data_ptr<std::int64_t>();
-    b.inverse = inverse.data_ptr<std::int64_t>();
-    b.active = active.data_ptr<int>();
-    b.active_count = active.data_ptr<int>() + experts_;
-    b.loads = expert_loads_.data_ptr<std::int64_t>();
-    b.loads_n = decode ? 2 : 1;
-    return b;
-  };
   if (fused_ && kernels::route_supported(ei, ki)) {
     at::Tensor ids = at::empty({n, top_k_}, i64_);
     weights = at::empty({n, top_k_}, f32_);
@@ -317,9 +298,26 @@ at::Tensor fast_rank_forward::experts(const layer_tensors& w, const at::Tensor& 
       weights = weights / weights.sum(-1, /*keepdim=*/true);
   }
 #if defined(REFIT_TORCH_CUDA)
-  if (!order.defined() && fused_ && kernels::bucket_supported(static_cast<int>(copies), ei))
-    kernels::bucket(chosen.data_ptr<std::int64_t>(), static_cast<int>(copies), ki, ei, sorted(),
+  if (fused_ && kernels::bucket_supported(static_cast<int>(copies), ei)) {
+    counts = at::empty({experts_}, i64_);
+    offsets = at::empty({experts_}, i64_.dtype(at::kInt));
+    order = at::empty({copies}, i64_);
+    src_token = at::empty({copies}, i64_);
+    inverse = at::empty({copies}, i64_);
+    active = at::empty({experts_ + 1}, i64_.dtype(at::kInt)); // the ids, then their number
+    kernels::bucket_out b;
+    b.counts = counts.data_ptr<std::int64_t>();
+    b.offsets = offsets.data_ptr<int>();
+    b.order = order.data_ptr<std::int64_t>();
+    b.src_token = src_token.data_ptr<std::int64_t>();
+    b.inverse = inverse.data_ptr<std::int64_t>();
+    b.active = active.data_ptr<int>();
+    b.active_count = active.data_ptr<int>() + experts_;
+    b.loads = expert_loads_.data_ptr<std::int64_t>();
+    b.loads_n = decode ? 2 : 1;
+    kernels::bucket(chosen.data_ptr<std::int64_t>(), static_cast<int>(copies), ki, ei, b,
                     stream());
+  }
 #endif
   if (!order.defined()) {
     auto by_expert = at::sort(chosen, c10::optional<bool>(true), /*dim=*/0, /*descending=*/false);
@@ -392,9 +390,8 @@ at::Tensor fast_rank_forward::expert_projections(const layer_tensors& w, const a
     const int c = static_cast<int>(copies);
     const int e = static_cast<int>(experts_);
     const int wanted = static_cast<int>(mma_ksplit_);
-    const int ks_up = kernels::expert_mma_supported(up) ? kernels::expert_mma_ksplit(up, c, e, wanted) : 0;
-    const int ks_down =
-      kernels::expert_mma_supported(down) ? kernels::expert_mma_ksplit(down, c, e, wanted) : 0;
+    const int ks_up = kernels::expert_mma_ksplit(up, c, e, wanted); // 0: the shape does not fit
+    const int ks_down = kernels::expert_mma_ksplit(down, c, e, wanted);
     if (ks_up > 0 && ks_down > 0) {
       at::Tensor act = at::empty({copies, inter_}, bf_);
       at::Tensor ys = at::empty({copies, w.w2.size(1)}, bf_);

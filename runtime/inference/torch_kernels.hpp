@@ -113,7 +113,8 @@ void expert_gemv(const gemv_args& args, void* stream);
 // GLU (gate_up): y bf16 [m, rows / 2] = silu(gate) * up, the gate rows first in w; else
 // y bf16 [m, rows]. ksplit warps share each 16-row tile's k (more blocks for few experts):
 // expert_mma_ksplit picks it (enough blocks to fill the device for copies routed over
-// `experts`), or checks `wanted` (> 0); 0: the shape does not divide. max_chunks (4, 2 or 1)
+// `experts`), or checks `wanted` (> 0); 0: the shape does not divide (rows a multiple of 16,
+// k of 32); expert_mma_supported: some k-split fits. max_chunks (4, 2 or 1)
 // bounds the 16-byte weight chunks a lane holds per row and k-step (registers vs. bytes in
 // flight).
 struct expert_mma_args {

@@ -195,10 +195,12 @@ int chunks_for(int span, int max_chunks) {
 // Warp tiles per expert: 16 weight rows each (GLU: 8 gate rows and their 8 up rows).
 int warp_tiles(const expert_mma_args& a) { return a.rows / 16; }
 
-// 1, 2, 4 or 8 warps per tile, dividing k into slices the staging divides.
+// Whole 16-row tiles, and 1, 2, 4 or 8 warps per tile dividing k (at least 32) into slices the
+// staging divides.
 bool ksplit_fits(const expert_mma_args& a, int ksplit) {
   return ksplit >= 1 && ksplit <= mma_max_ksplit && (ksplit & (ksplit - 1)) == 0
-         && warp_tiles(a) > 0 && a.k % ksplit == 0 && chunks_for(a.k / ksplit, a.max_chunks) > 0;
+         && a.rows >= 16 && a.rows % 16 == 0 && a.k >= 32 && a.k % ksplit == 0
+         && chunks_for(a.k / ksplit, a.max_chunks) > 0;
 }
 
 // Blocks per expert: row_warps tiles each, the last one possibly in part.
@@ -244,9 +246,7 @@ int expert_mma_ksplit(const expert_mma_args& a, int copies, int experts, int wan
   return chosen;
 }
 
-bool expert_mma_supported(const expert_mma_args& a) {
-  return a.k >= 32 && a.rows >= 16 && a.rows % 16 == 0 && expert_mma_ksplit(a, 1, 1, 0) > 0;
-}
+bool expert_mma_supported(const expert_mma_args& a) { return expert_mma_ksplit(a, 1, 1, 0) > 0; }
 
 void expert_mma(const expert_mma_args& a, int copies, int experts, int ksplit, void* stream) {
   if (!ksplit_fits(a, ksplit))
