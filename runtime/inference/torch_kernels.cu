@@ -362,11 +362,6 @@ __global__ void add_kernel(float* x, const bf16* y, i64 elements) {
     x[idx] += to_f(y[idx]);
 }
 
-int grid_for(i64 elements, int threads) {
-  const i64 blocks = (elements + threads - 1) / threads;
-  return static_cast<int>(blocks < 4096 ? (blocks < 1 ? 1 : blocks) : 4096);
-}
-
 } // namespace
 
 void rms_norm(const float* x, const void* w, void* out, int rows, int n, float eps, void* stream) {

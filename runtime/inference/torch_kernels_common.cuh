@@ -85,6 +85,12 @@ __device__ __forceinline__ void norm_row(const float* row, const bf16* w, bf16* 
 }
 
 
+// Blocks for a grid-stride loop over `elements` with `threads` per block: 1..4096.
+inline int grid_for(i64 elements, int threads) {
+  const i64 blocks = (elements + threads - 1) / threads;
+  return static_cast<int>(blocks < 4096 ? (blocks < 1 ? 1 : blocks) : 4096);
+}
+
 // The current device's multiprocessor count (grid sizing), read once per device.
 inline int multiprocessors() {
   constexpr int cached_devices = 64;

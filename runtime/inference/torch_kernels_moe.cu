@@ -270,11 +270,6 @@ __global__ void mix_kernel(const bf16* __restrict__ y, const i64* __restrict__ i
     norm_row(row, norm_w, norm_out + static_cast<i64>(t) * h, h, eps, ss, shared);
 }
 
-int grid_for(i64 elements, int threads) {
-  const i64 blocks = (elements + threads - 1) / threads;
-  return static_cast<int>(blocks < 4096 ? (blocks < 1 ? 1 : blocks) : 4096);
-}
-
 } // namespace
 
 bool route_supported(int experts, int top_k) {
