@@ -4,7 +4,6 @@
 // continuous batching.
 #include <gtest/gtest.h>
 
-#include <deque>
 #include <iostream>
 #include <numeric>
 #include <string>

@@ -15,10 +15,12 @@
 #include <vector>
 
 #include "gpu_fixture.hpp"
+#include "runtime/cuda/cuda.hpp"
 #include "runtime/inference/torch_kernels.hpp"
 
 namespace {
 
+namespace cuda = refit::cuda;
 namespace kernels = refit::inference::kernels;
 using i64 = std::int64_t;
 
@@ -38,26 +40,22 @@ float from_bf16(std::uint16_t b) {
   return f;
 }
 
-// A device buffer of `n` elements of T, freed with the object.
+// `n` elements of T on cuda:0 (cuda::device_allocation: zeroed, freed with the object).
 template <class T>
 struct device_vec {
-  T* p = nullptr;
+  cuda::device_allocation memory;
   std::size_t n = 0;
-  explicit device_vec(std::size_t count) : n(count) {
-    if (cudaMalloc(&p, std::max<std::size_t>(1, n) * sizeof(T)) != cudaSuccess)
-      throw std::runtime_error("cudaMalloc");
-  }
+  T* p = nullptr;
+  explicit device_vec(std::size_t count)
+    : memory(0, std::max<std::size_t>(1, count) * sizeof(T), "test buffer"), n(count),
+      p(reinterpret_cast<T*>(memory.data())) {}
   explicit device_vec(const std::vector<T>& host) : device_vec(host.size()) {
-    if (cudaMemcpy(p, host.data(), n * sizeof(T), cudaMemcpyHostToDevice) != cudaSuccess)
-      throw std::runtime_error("cudaMemcpy to the device");
+    cuda::copy_to_device(0, memory.data(), reinterpret_cast<const std::byte*>(host.data()),
+                         n * sizeof(T));
   }
-  ~device_vec() { cudaFree(p); }
-  device_vec(const device_vec&) = delete;
-  device_vec& operator=(const device_vec&) = delete;
   std::vector<T> host() const {
     std::vector<T> out(n);
-    if (cudaMemcpy(out.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost) != cudaSuccess)
-      throw std::runtime_error("cudaMemcpy from the device");
+    cuda::copy_to_host(0, reinterpret_cast<std::byte*>(out.data()), memory.data(), n * sizeof(T));
     return out;
   }
 };
@@ -130,10 +128,7 @@ struct device_bucket {
   device_vec<int> offsets, active;
   device_bucket(int copies, int experts)
     : counts(experts), order(copies), src_token(copies), inverse(copies),
-      loads(std::vector<i64>{5, 7}), offsets(experts), active(experts + 1) {
-    if (cudaMemset(active.p, 0, active.n * sizeof(int)) != cudaSuccess) // past the list: 0
-      throw std::runtime_error("cudaMemset");
-  }
+      loads(std::vector<i64>{5, 7}), offsets(experts), active(experts + 1) {}
   kernels::bucket_out out() {
     kernels::bucket_out b;
     b.counts = counts.p;

@@ -7,7 +7,6 @@
 
 #include <chrono>
 #include <cstring>
-#include <deque>
 #include <functional>
 #include <iostream>
 #include <memory>
@@ -221,7 +220,6 @@ TEST(NcclTpComm, AMissingPeerTimesOutAndAbortsTheGroup) {
 
 // ------------------------------------------------------------------ the bf16 engine at TP 2
 
-// Device memory of one GPU (residents and KV arena), freed with the rig.
 // One bf16 rank_forward per rank (rank r on cuda:r) over the NCCL comm; every call runs on
 // both ranks at once.
 struct tp2_rig {

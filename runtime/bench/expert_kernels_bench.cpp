@@ -25,10 +25,12 @@
 
 #include <nlohmann/json.hpp>
 
+#include "runtime/cuda/cuda.hpp"
 #include "runtime/inference/torch_kernels.hpp"
 
 namespace {
 
+namespace cuda = refit::cuda;
 namespace kernels = refit::inference::kernels;
 
 void check(cudaError_t e, const char* what) {
@@ -93,16 +95,17 @@ options parse(int argc, char** argv) {
   return o;
 }
 
+// `n` elements of T on cuda:0 (cuda::device_allocation), every byte set to `fill`.
 template <class T>
 struct device_buffer {
+  cuda::device_allocation memory;
   T* p = nullptr;
-  explicit device_buffer(std::size_t n, int fill = 0) {
-    check(cudaMalloc(&p, std::max<std::size_t>(n, 1) * sizeof(T)), "cudaMalloc");
-    check(cudaMemset(p, fill, n * sizeof(T)), "cudaMemset");
+  explicit device_buffer(std::size_t n, int fill = 0)
+    : memory(0, std::max<std::size_t>(n, 1) * sizeof(T), "bench buffer"),
+      p(reinterpret_cast<T*>(memory.data())) {
+    if (fill != 0)
+      check(cudaMemset(p, fill, n * sizeof(T)), "cudaMemset");
   }
-  ~device_buffer() { cudaFree(p); }
-  device_buffer(const device_buffer&) = delete;
-  device_buffer& operator=(const device_buffer&) = delete;
 };
 
 struct timer {
@@ -186,7 +189,8 @@ int main(int argc, char** argv) try {
     device_buffer<std::int64_t> d_ids(ids.size()), counts(e), order(copies), src(copies),
       inverse(copies), loads(1);
     device_buffer<int> offsets(e), active(e + 1);
-    check(cudaMemcpy(d_ids.p, ids.data(), ids.size() * 8, cudaMemcpyHostToDevice), "ids");
+    cuda::copy_to_device(0, d_ids.memory.data(), reinterpret_cast<const std::byte*>(ids.data()),
+                         ids.size() * sizeof(std::int64_t));
     kernels::bucket_out b;
     b.counts = counts.p;
     b.offsets = offsets.p;
