@@ -18,8 +18,6 @@
 namespace refit::testing {
 namespace {
 
-using refit::testing::visible_gpus;
-
 config::refit_config gpu_config(std::vector<std::string> devices) {
   auto cfg = tiny_config(static_cast<std::uint32_t>(devices.size()));
   cfg.runtime.devices = std::move(devices);
