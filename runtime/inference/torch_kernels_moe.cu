@@ -82,18 +82,23 @@ __global__ void route_kernel(const bf16* __restrict__ logits, int n, int experts
 // ----------------------------------------------------------------- bucket by expert
 
 // One block of 1024 threads: counts by shared atomics, exclusive scans over the experts of
-// the counts and of the non-empty flags (warp scans + a scan of the warp totals), then one
-// warp per expert scatters its copies in flat index order with ballots (stable,
-// deterministic).
+// the counts and of the non-empty flags (warp scans + a scan of the warp totals), then the
+// copies are placed 1024 at a time, one per thread: the lanes of a warp that share an expert
+// find each other (match_any) and the warps, in order, claim their runs of each expert's
+// next positions (stable: flat index order within an expert; deterministic).
 __device__ void bucket_block(const i64* __restrict__ ids, int copies, int top_k, int experts,
                              const bucket_out& out) {
   __shared__ int count[max_bucket_experts];
-  __shared__ int start[max_bucket_experts];
+  __shared__ int start[max_bucket_experts]; // then the next free position of each expert
   __shared__ short id[max_bucket_copies];
   __shared__ int warp_total[32];
   __shared__ int warp_used[32];
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
+  // The running expert loads, read now so their latency overlaps the sort (this kernel is
+  // their only writer).
+  const i64 loads_before =
+    static_cast<int>(threadIdx.x) < out.loads_n ? out.loads[threadIdx.x] : 0;
   for (int e = threadIdx.x; e < experts; e += blockDim.x)
     count[e] = 0;
   __syncthreads();
@@ -140,29 +145,32 @@ __device__ void bucket_block(const i64* __restrict__ ids, int copies, int top_k,
       out.active[(warp > 0 ? warp_used[warp - 1] : 0)
                  + __popc(nonempty & ((1u << lane) - 1u))] = e;
   }
-  if (threadIdx.x == 0) {
-    if (out.active_count != nullptr)
-      *out.active_count = used;
-    for (int i = 0; i < out.loads_n; ++i)
-      out.loads[i] += used;
-  }
+  if (threadIdx.x == 0 && out.active_count != nullptr)
+    *out.active_count = used;
+  if (static_cast<int>(threadIdx.x) < out.loads_n)
+    out.loads[threadIdx.x] = loads_before + used;
   __syncthreads();
-  const int warps = blockDim.x >> 5;
-  for (int ex = warp; ex < experts; ex += warps) {
-    if (count[ex] == 0)
-      continue;
-    int pos = start[ex];
-    for (int f0 = 0; f0 < copies; f0 += 32) {
-      const int f = f0 + lane;
-      const bool hit = f < copies && id[f] == ex;
-      const unsigned bits = __ballot_sync(0xffffffffu, hit);
-      if (hit) {
-        const int r = pos + __popc(bits & ((1u << lane) - 1u));
-        out.order[r] = f;
-        out.src_token[r] = f / top_k;
-        out.inverse[f] = r;
+  for (int base = 0; base < copies; base += blockDim.x) {
+    const int f = base + static_cast<int>(threadIdx.x);
+    const bool live = f < copies;
+    const int ex = live ? id[f] : -1 - lane; // past the end: a lane of its own
+    const unsigned peers = __match_any_sync(0xffffffffu, ex);
+    const int before = __popc(peers & ((1u << lane) - 1u)); // same-expert lanes before this one
+    const int leader = __ffs(peers) - 1;
+    const int warps = (min(copies - base, static_cast<int>(blockDim.x)) + 31) >> 5;
+    int claimed = 0;
+    for (int w = 0; w < warps; ++w) { // the warps claim in order: stable across warps
+      if (warp == w && live && before == 0) {
+        claimed = start[ex];
+        start[ex] = claimed + __popc(peers);
       }
-      pos += __popc(bits);
+      __syncthreads();
+    }
+    const int r = __shfl_sync(0xffffffffu, claimed, leader) + before;
+    if (live) {
+      out.order[r] = f;
+      out.src_token[r] = f / top_k;
+      out.inverse[f] = r;
     }
   }
 }
