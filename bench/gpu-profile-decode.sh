@@ -3,6 +3,7 @@
 # refit-bench generate (issue 16), one table per batch size: every kernel of ~one layer with
 # its duration, DRAM throughput (% of peak), DRAM bytes read and grid size.
 #   BATCHES="1 64 256" SKIP=14000 COUNT=50 bash bench/gpu-profile-decode.sh
+#   BATCHES="64" TOKENS=64 SKIP=25000 COUNT=36 bash bench/gpu-profile-decode.sh
 # SKIP kernels (synthetic weight fills and copies are filtered out first) are passed over so
 # that the profiled ones are decode steps (replayed from CUDA graphs: --graph-profiling node);
 # check the table shows decode_attention_kernel, not prefill's SDPA. Clocks are ncu's default
@@ -15,6 +16,7 @@ OUT=${OUT:-out}
 BATCHES=${BATCHES:-1 64 256}
 SKIP=${SKIP:-14000}
 COUNT=${COUNT:-50}
+TOKENS=${TOKENS:-16}   # new tokens per request: more puts a larger share of kernels in decode
 mkdir -p "$OUT"
 for b in $BATCHES; do
   timeout 600 ncu --target-processes all --graph-profiling node --cache-control none \
@@ -23,7 +25,7 @@ for b in $BATCHES; do
     --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,launch__grid_size \
     --csv --log-file "$OUT/ncu-decode-b$b.csv" \
     ./build-gpu/bin/refit-bench generate --config configs/bench-generate-h200.yaml --batch "$b" \
-    --prompt-len 128 --max-tokens 16 --repeat 1 --no-gap --json > "$OUT/ncu-decode-b$b.json" \
+    --prompt-len 128 --max-tokens "$TOKENS" --repeat 1 --no-gap --json > "$OUT/ncu-decode-b$b.json" \
     2> "$OUT/ncu-decode-b$b.log" || echo "batch $b: ncu failed ($?), see $OUT/ncu-decode-b$b.log"
   python3 - "$OUT/ncu-decode-b$b.csv" "$b" <<'PY'
 import csv, sys
