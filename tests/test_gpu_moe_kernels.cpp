@@ -246,8 +246,8 @@ struct projection_case {
 
 // gate_up (GLU, x gathered through src_token) and down (x by sorted position), for 70 tokens
 // routed over 32 experts: expert 0 takes all 70 copies (three passes of up to 32), some take
-// one, a quarter none. Every k-split that divides the shape, each against the reference; 48
-// rows are 3 warp tiles (blocks with idle warps).
+// one, a quarter none. Every k-split that divides the shape, at each register staging (4, 2
+// and 1 chunks), each against the reference; 48 rows are 3 warp tiles (blocks with idle warps).
 TEST(GpuMoeKernels, ExpertMmaMatchesTheHostReferenceAtEveryKSplit) {
   REQUIRE_GPUS(1);
   const int tokens = 70, top_k = 4, experts = 32;
@@ -281,27 +281,29 @@ TEST(GpuMoeKernels, ExpertMmaMatchesTheHostReferenceAtEveryKSplit) {
     a.glu = pc.glu;
     ASSERT_TRUE(kernels::expert_mma_supported(a)) << pc.rows << "x" << pc.k;
     int splits_run = 0;
-    for (int ks = 1; ks <= 8; ks *= 2) {
-      if (kernels::expert_mma_ksplit(a, copies, experts, ks) != ks)
-        continue;
-      ++splits_run;
-      device_vec<std::uint16_t> d_y(static_cast<std::size_t>(copies) * cols);
-      CUDA_OK(cudaMemset(d_y.p, 0xff, d_y.n * 2)); // NaN: a row left unwritten shows
-      a.y = d_y.p;
-      kernels::expert_mma(a, copies, experts, ks, nullptr);
-      CUDA_OK(cudaDeviceSynchronize());
-      const auto y = d_y.host();
-      double worst = 0;
-      for (std::size_t i = 0; i < y.size(); ++i) {
-        const double got = from_bf16(y[i]);
-        const double ref = reference[i];
-        ASSERT_TRUE(std::isfinite(got)) << "element " << i << " unwritten, ksplit " << ks;
-        worst = std::max(worst, std::abs(got - ref) / (std::abs(ref) + 0.05));
+    for (const int chunks : {4, 2, 1})
+      for (int ks = 1; ks <= 8; ks *= 2) {
+        a.max_chunks = chunks;
+        if (kernels::expert_mma_ksplit(a, copies, experts, ks) != ks)
+          continue;
+        ++splits_run;
+        device_vec<std::uint16_t> d_y(static_cast<std::size_t>(copies) * cols);
+        CUDA_OK(cudaMemset(d_y.p, 0xff, d_y.n * 2)); // NaN: a row left unwritten shows
+        a.y = d_y.p;
+        kernels::expert_mma(a, copies, experts, ks, nullptr);
+        CUDA_OK(cudaDeviceSynchronize());
+        const auto y = d_y.host();
+        double worst = 0;
+        for (std::size_t i = 0; i < y.size(); ++i) {
+          const double got = from_bf16(y[i]);
+          const double ref = reference[i];
+          ASSERT_TRUE(std::isfinite(got)) << "element " << i << " unwritten, ksplit " << ks;
+          worst = std::max(worst, std::abs(got - ref) / (std::abs(ref) + 0.05));
+        }
+        EXPECT_LT(worst, 0.02) << "rows " << pc.rows << " k " << pc.k << " glu " << pc.glu
+                               << " ksplit " << ks << " chunks " << chunks;
       }
-      EXPECT_LT(worst, 0.02) << "rows " << pc.rows << " k " << pc.k << " glu " << pc.glu
-                             << " ksplit " << ks;
-    }
-    EXPECT_GE(splits_run, 2) << "rows " << pc.rows << " k " << pc.k;
+    EXPECT_GE(splits_run, 6) << "rows " << pc.rows << " k " << pc.k;
     const int automatic = kernels::expert_mma_ksplit(a, copies, experts, 0);
     EXPECT_TRUE(automatic == 1 || automatic == 2 || automatic == 4 || automatic == 8);
   }

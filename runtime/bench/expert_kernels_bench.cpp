@@ -2,8 +2,9 @@
 // decode batch, against the device-copy bound measured in the same run. For each batch size:
 // uniform top-k routing (seeded), the counting sort once, then gate_up + down of every layer of
 // a ring of distinct layers (larger than L2) through the tensor-core kernel (expert_mma) at
-// each k-split and register staging (path "mma [auto] <ksplit up>/<ksplit down> c<chunks>"),
-// and the expert GEMV path (gemv + SiLU + gemv) where it applies. The bytes are
+// each k-split and register staging (path "mma [auto] <ksplit up>/<ksplit down> c<chunks>",
+// the weights streamed with an L2 evict-first policy; "... l2-normal" without it), and the
+// expert GEMV path (gemv + SiLU + gemv) where it applies. The bytes are
 // the non-empty experts' weights; `ratio` = bytes / time / copy bound (read + write).
 //
 //   refit-expert-bench [--batch 1,16,64,256] [--experts 128] [--top-k 8] [--hidden 2048]
@@ -221,13 +222,20 @@ int main(int argc, char** argv) try {
                              {"gbps", gbps},
                              {"ratio", gbps / bound_gbps}});
     };
-    std::vector<std::pair<int, int>> variants; // (chunks, wanted k-split; 0: chosen)
+    struct variant {
+      int chunks, wanted; // wanted k-split; 0: chosen
+      bool evict_first;   // the weight stream's L2 policy
+    };
+    std::vector<variant> variants;
     for (const int chunks : {4, 2, 1})
       for (const int wanted : {0, 1, 2, 4, 8})
-        variants.emplace_back(chunks, wanted);
-    for (const auto& [chunks, wanted] : variants) {
+        variants.push_back({chunks, wanted, true});
+    for (const int chunks : {2, 1})
+      variants.push_back({chunks, 0, false});
+    for (const auto& [chunks, wanted, evict_first] : variants) {
       kernels::expert_mma_args up, down;
       up.max_chunks = down.max_chunks = chunks;
+      up.evict_first = down.evict_first = evict_first;
       up.x = x.p;
       up.x_rows = src.p;
       up.rows = 2 * in;
@@ -251,7 +259,8 @@ int main(int argc, char** argv) try {
       if (ks_up == 0 || ks_down == 0)
         continue;
       measure(std::string(wanted == 0 ? "mma auto " : "mma ") + std::to_string(ks_up) + "/"
-                + std::to_string(ks_down) + " c" + std::to_string(chunks),
+                + std::to_string(ks_down) + " c" + std::to_string(chunks)
+                + (evict_first ? "" : " l2-normal"),
               [&](int l) {
                 up.w = w13[static_cast<std::size_t>(l)]->p;
                 down.w = w2[static_cast<std::size_t>(l)]->p;

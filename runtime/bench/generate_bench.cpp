@@ -425,7 +425,7 @@ json generate_bench::run() {
   out["engine_env"] = json::object();
   for (const char* knob : {"REFIT_PDL", "REFIT_TP_COMM", "REFIT_EXPERT_GEMV_MAX_COPIES",
                            "REFIT_EXPERT_MMA_MAX_COPIES", "REFIT_EXPERT_MMA_KSPLIT",
-                           "REFIT_EXPERT_MMA_CHUNKS"})
+                           "REFIT_EXPERT_MMA_CHUNKS", "REFIT_EXPERT_MMA_EVICT_FIRST"})
     if (const char* v = std::getenv(knob); v != nullptr)
       out["engine_env"][knob] = v;
   out["compute_dtype"] = cfg_.runtime.compute_dtype;

@@ -289,16 +289,19 @@ private:
   bool device_comm_ = false;            // tp > 1 on a GPU with a device comm (NCCL)
   bool fused_ = false;                  // the fused CUDA kernels (torch_kernels.cu)
   bool fused_decode_attention_ = false; // their decode attention supports this shape
-  // Routed copies up to which a step uses the expert GEMV instead of the grouped GEMM
-  // (REFIT_EXPERT_GEMV_MAX_COPIES overrides it, for tuning).
-  std::int64_t gemv_max_copies_ = 8; // H200, Qwen3-30B-A3B: the grouped GEMM wins from batch 2
+  // Routed copies up to which a step uses the expert GEMV instead of the tensor-core kernel or
+  // the grouped GEMM (REFIT_EXPERT_GEMV_MAX_COPIES overrides it, for tuning). 0: on the H200
+  // expert_mma beats it from batch 1 on (bench/results/*-h200-experts.json).
+  std::int64_t gemv_max_copies_ = 0;
   // Routed copies up to which a step uses the tensor-core expert kernel (expert_mma) instead of
-  // the grouped GEMM (from gemv_max_copies_ on), and its k-split (0: chosen per shape);
-  // REFIT_EXPERT_MMA_MAX_COPIES and REFIT_EXPERT_MMA_KSPLIT set them. Off (0) by default until
-  // it has been measured on the H200 (docs/operations.md).
-  std::int64_t mma_max_copies_ = 0;
+  // the grouped GEMM (from gemv_max_copies_ on), its k-split (0: chosen per shape) and its
+  // register staging; REFIT_EXPERT_MMA_MAX_COPIES, REFIT_EXPERT_MMA_KSPLIT and
+  // REFIT_EXPERT_MMA_CHUNKS set them. 2048: decode up to batch 256 of a top-8 model (about 16
+  // tokens per expert; the kernel takes 32 per pass over the weights), prefill on the GEMM.
+  std::int64_t mma_max_copies_ = 2048;
   std::int64_t mma_ksplit_ = 0;
-  std::int64_t mma_chunks_ = 4; // expert_mma_args::max_chunks (REFIT_EXPERT_MMA_CHUNKS)
+  std::int64_t mma_chunks_ = 2; // expert_mma_args::max_chunks: 2 runs two blocks per SM
+  std::int64_t mma_evict_first_ = 1; // expert_mma_args::evict_first (REFIT_EXPERT_MMA_EVICT_FIRST)
 #if defined(REFIT_TORCH_CUDA)
   std::optional<c10::cuda::CUDAStream> stream_;
   std::int64_t baseline_bytes_ = 0;

@@ -382,6 +382,7 @@ at::Tensor fast_rank_forward::expert_projections(const layer_tensors& w, const a
     down.k = static_cast<int>(w.w2.size(2));
     for (kernels::expert_mma_args* a : {&up, &down}) {
       a->max_chunks = static_cast<int>(mma_chunks_);
+      a->evict_first = mma_evict_first_ != 0;
       a->active = active.data_ptr<int>();
       a->active_count = active.data_ptr<int>() + experts_;
       a->counts = counts.data_ptr<std::int64_t>();

@@ -130,6 +130,7 @@ struct expert_mma_args {
   int k = 0;
   bool glu = false;
   int max_chunks = 4;
+  bool evict_first = true; // the weight stream's L2 policy: evict-first, else normal
 };
 bool expert_mma_supported(const expert_mma_args& args);
 int expert_mma_ksplit(const expert_mma_args& args, int copies, int experts, int wanted);

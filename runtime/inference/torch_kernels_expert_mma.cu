@@ -31,13 +31,24 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], unsigned a0, unsigned a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// An L2 policy for the weight stream: evict-first (the weights are read once; the token rows,
+// read by every block of an expert, stay) or normal.
+__device__ __forceinline__ unsigned long long stream_policy(bool evict_first) {
+  unsigned long long p;
+  if (evict_first)
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+  else
+    asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(p));
+  return p;
+}
+
 // 16 bytes of weights read once: not kept in L1; L2 fetches the 256 bytes around them (the
-// row's next k-steps).
-__device__ __forceinline__ uint4 load_stream(const bf16* p) {
+// row's next k-steps) under `policy`.
+__device__ __forceinline__ uint4 load_stream(const bf16* p, unsigned long long policy) {
   uint4 v;
-  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+  asm("ld.global.nc.L1::no_allocate.L2::cache_hint.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
+      : "l"(p), "l"(policy));
   return v;
 }
 
@@ -45,12 +56,13 @@ __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
 
 // One k-iteration's weight chunks of the thread's two rows.
 template <int CH>
-__device__ __forceinline__ void load_stage(const bf16* wa, const bf16* wb, int k0, uint4 (&a)[CH],
+__device__ __forceinline__ void load_stage(const bf16* wa, const bf16* wb, int k0,
+                                           unsigned long long policy, uint4 (&a)[CH],
                                            uint4 (&b)[CH]) {
 #pragma unroll
   for (int c = 0; c < CH; ++c) {
-    a[c] = load_stream(wa + k0 + c * 8);
-    b[c] = load_stream(wb + k0 + c * 8);
+    a[c] = load_stream(wa + k0 + c * 32, policy);
+    b[c] = load_stream(wb + k0 + c * 32, policy);
   }
 }
 
@@ -64,7 +76,7 @@ __device__ __forceinline__ void mma_stage(const bf16* const (&xr)[mma_token_tile
     if (tt < tiles) {
 #pragma unroll
       for (int c = 0; c < CH; ++c) {
-        const uint4 xv = __ldg(reinterpret_cast<const uint4*>(xr[tt] + off + c * 8));
+        const uint4 xv = __ldg(reinterpret_cast<const uint4*>(xr[tt] + off + c * 32));
         mma_bf16(acc[tt], a[c].x, b[c].x, a[c].y, b[c].y, xv.x, xv.y);
         mma_bf16(acc[tt], a[c].z, b[c].z, a[c].w, b[c].w, xv.z, xv.w);
       }
@@ -73,8 +85,9 @@ __device__ __forceinline__ void mma_stage(const bf16* const (&xr)[mma_token_tile
 }
 
 // A dot product may take its k in any order, if A and B take it alike. Thread t of a row group
-// loads CH 16-byte chunks of its two weight rows at k0 + t * 8 * CH + c * 8 and the same chunks
-// of its token's row; chunk (e0..e7) feeds two MMAs, (e0 e1 | e2 e3) as the virtual columns
+// loads CH 16-byte chunks of its two weight rows at k0 + c * 32 + t * 8 (the group's four
+// threads read 64 contiguous bytes of a row per load: whole sectors) and the same chunks of its
+// token's row; chunk (e0..e7) feeds two MMAs, (e0 e1 | e2 e3) as the virtual columns
 // (2t, 2t+1 | 2t+8, 2t+9) and (e4 e5 | e6 e7) likewise, for A and for B.
 //
 // Block (x, y): the y-th non-empty expert (active), warp tiles x * row_warps .. + row_warps
@@ -91,7 +104,7 @@ __global__ void __launch_bounds__(mma_warps * 32, CH >= 4 ? 1 : 2)
                     const bf16* __restrict__ w, const int* __restrict__ active,
                     const int* __restrict__ active_count, const i64* __restrict__ counts,
                     const int* __restrict__ offsets, bf16* __restrict__ y, int rows, int k,
-                    int ksplit) {
+                    int ksplit, bool evict_first) {
   pdl_enter();
   __shared__ float partial[mma_reduce_floats];
   if (static_cast<int>(blockIdx.y) >= *active_count)
@@ -114,8 +127,9 @@ __global__ void __launch_bounds__(mma_warps * 32, CH >= 4 ? 1 : 2)
   const bf16* wa = w + (static_cast<i64>(e) * rows + ra) * k;
   const bf16* wb = w + (static_cast<i64>(e) * rows + rb) * k;
   const int span = k / ksplit;
-  const int lane_k = wk * span + t * 8 * CH;
+  const int lane_k = wk * span + t * 8;
   const int iters = span / (32 * CH);
+  const unsigned long long policy = stream_policy(evict_first);
   for (int base = 0; base < count; base += 8 * mma_token_tiles) {
     const int tiles = min(mma_token_tiles, (count - base + 7) / 8);
     const bf16* xr[mma_token_tiles];
@@ -128,14 +142,14 @@ __global__ void __launch_bounds__(mma_warps * 32, CH >= 4 ? 1 : 2)
     // Two register stages, ping-pong: one in flight while the other feeds the MMAs.
     uint4 sa[2][CH], sb[2][CH];
     if (live)
-      load_stage<CH>(wa, wb, lane_k, sa[0], sb[0]);
+      load_stage<CH>(wa, wb, lane_k, policy, sa[0], sb[0]);
     for (int it = 0; live && it < iters; it += 2) {
       const int off = it * 32 * CH;
       if (it + 1 < iters)
-        load_stage<CH>(wa, wb, lane_k + off + 32 * CH, sa[1], sb[1]);
+        load_stage<CH>(wa, wb, lane_k + off + 32 * CH, policy, sa[1], sb[1]);
       mma_stage<CH>(xr, off, tiles, sa[0], sb[0], acc);
       if (it + 2 < iters)
-        load_stage<CH>(wa, wb, lane_k + off + 64 * CH, sa[0], sb[0]);
+        load_stage<CH>(wa, wb, lane_k + off + 64 * CH, policy, sa[0], sb[0]);
       if (it + 1 < iters)
         mma_stage<CH>(xr, off + 32 * CH, tiles, sa[1], sb[1], acc);
     }
@@ -214,7 +228,8 @@ void launch_mma(const expert_mma_args& a, int ksplit, int experts_bound, cudaStr
   const dim3 grid(blocks_per_expert(a, ksplit), experts_bound);
   launch("expert_mma", expert_mma_kernel<CH, GLU>, grid, dim3(mma_warps * 32), s,
          static_cast<const bf16*>(a.x), a.x_rows, static_cast<const bf16*>(a.w), a.active,
-         a.active_count, a.counts, a.offsets, static_cast<bf16*>(a.y), a.rows, a.k, ksplit);
+         a.active_count, a.counts, a.offsets, static_cast<bf16*>(a.y), a.rows, a.k, ksplit,
+         a.evict_first);
 }
 
 template <bool GLU>
@@ -234,7 +249,7 @@ int expert_mma_ksplit(const expert_mma_args& a, int copies, int experts, int wan
   if (wanted > 0)
     return ksplit_fits(a, wanted) ? wanted : 0;
   const int bound = copies < experts ? copies : experts; // the non-empty experts, at most
-  const int want_blocks = 4 * multiprocessors();
+  const int want_blocks = multiprocessors(); // about one wave: more k-slices only add sums
   int chosen = 0;
   for (int ks = 1; ks <= mma_max_ksplit; ks *= 2) {
     if (!ksplit_fits(a, ks))
