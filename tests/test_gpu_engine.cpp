@@ -50,19 +50,19 @@ struct scoped_env {
   scoped_env& operator=(const scoped_env&) = delete;
 };
 
+using env_vars = std::vector<std::pair<std::string, std::string>>;
+
 // The fused kernels (head_dim 64 reaches every one of them) against the ATen chains and the
-// fp32 reference, over a prefill and 30 decode steps crossing block boundaries. The fused
-// engine is built with REFIT_EXPERT_GEMV_MAX_COPIES = `gemv_copies` and
-// REFIT_EXPERT_MMA_MAX_COPIES = `mma_copies` ("8", "0": the two decode rows' 8 copies take the
-// expert GEMV, the prefill's 328 the grouped GEMM, as by default; "0", "4096": every step takes
-// the tensor-core kernel).
-void expect_fused_matches_aten(const char* gemv_copies, const char* mma_copies) {
+// fp32 reference, over a prefill of 11 rows and 30 decode steps of one row crossing block
+// boundaries, the fused engine built under `knobs` (the ATen rig ignores them). By default
+// the prefill's qkv / o_proj / router take the dense tensor-core kernel and its 44 routed
+// copies the expert one, the decode rows the dense GEMV and the expert kernel.
+void expect_fused_matches_aten(const env_vars& knobs) {
   const auto cfg = refit::testing::small_model();
   const auto w = engine_synthetic(cfg);
   const auto tokens = engine_prompt(41, 2, 512);
   gpu_memory mem;
-  const scoped_env env({{"REFIT_EXPERT_GEMV_MAX_COPIES", gemv_copies},
-                        {"REFIT_EXPERT_MMA_MAX_COPIES", mma_copies}}); // the ATen rig ignores them
+  const scoped_env env(knobs);
   auto fused = gpu_rig(mem, cfg, w, model::dtype::bfloat16, 8, 8, true, true);
   auto aten = gpu_rig(mem, cfg, w, model::dtype::bfloat16, 8, 8, true, false);
   const auto a = log_softmax_rows(fused.logits(tokens, 11, 8), cfg.vocab_size);
@@ -71,8 +71,10 @@ void expect_fused_matches_aten(const char* gemv_copies, const char* mma_copies) 
   const double mean_fused = mean_abs_delta(a, reference);
   const double mean_aten = mean_abs_delta(b, reference);
   const double between = max_abs_delta(a, b);
-  std::cout << "[ measured ] GEMV up to " << gemv_copies << " copies, MMA up to " << mma_copies
-            << "; fused vs ATen: max "
+  std::string label;
+  for (const auto& [name, value] : knobs)
+    label += name + "=" + value + " ";
+  std::cout << "[ measured ] " << (label.empty() ? "defaults " : label) << "fused vs ATen: max "
             << between << "; mean gap to fp32: fused " << mean_fused << ", ATen " << mean_aten
             << "\n";
   EXPECT_LT(between, 0.1);
@@ -86,12 +88,21 @@ void expect_fused_matches_aten(const char* gemv_copies, const char* mma_copies) 
 
 TEST(GpuEngine, FusedKernelsComputeWhatTheAtenPathComputes) {
   REQUIRE_GPU();
-  expect_fused_matches_aten("8", "0");
+  expect_fused_matches_aten({});
+}
+
+// The expert GEMV at the decode rows' 8 copies, the grouped GEMM and cuBLAS elsewhere.
+TEST(GpuEngine, FusedKernelsWithoutTheTensorCoreKernelsComputeWhatTheAtenPathComputes) {
+  REQUIRE_GPU();
+  expect_fused_matches_aten({{"REFIT_EXPERT_GEMV_MAX_COPIES", "8"},
+                             {"REFIT_EXPERT_MMA_MAX_COPIES", "0"},
+                             {"REFIT_DENSE_MMA_MAX_ROWS", "0"}});
 }
 
 TEST(GpuEngine, TensorCoreExpertsInEveryStepComputeWhatTheAtenPathComputes) {
   REQUIRE_GPU();
-  expect_fused_matches_aten("0", "4096");
+  expect_fused_matches_aten({{"REFIT_EXPERT_GEMV_MAX_COPIES", "0"},
+                             {"REFIT_EXPERT_MMA_MAX_COPIES", "4096"}});
 }
 
 TEST(GpuEngine, Bf16LogitsTrackTheFp32ReferenceAndTheCpuEngine) {
@@ -162,15 +173,16 @@ struct decode_fixture {
 };
 
 // Graphed against eager decode steps of five sequences, greedy and sampled, and graph replays
-// against each other; `experts_on_mma`: every step's experts on the tensor-core kernel.
+// against each other; `experts_on_mma`: every step's experts on the tensor-core kernel (the
+// default), else on the expert GEMV and the grouped GEMM.
 void expect_graph_replay_equals_eager(bool experts_on_mma) {
   const auto cfg = refit::testing::tiny_model();
   const auto w = engine_synthetic(cfg);
   gpu_memory mem;
-  using vars = std::vector<std::pair<std::string, std::string>>;
-  const scoped_env env(experts_on_mma ? vars{{"REFIT_EXPERT_GEMV_MAX_COPIES", "0"},
-                                             {"REFIT_EXPERT_MMA_MAX_COPIES", "4096"}}
-                                      : vars{});
+  const scoped_env env(experts_on_mma ? env_vars{{"REFIT_EXPERT_GEMV_MAX_COPIES", "0"},
+                                                 {"REFIT_EXPERT_MMA_MAX_COPIES", "4096"}}
+                                      : env_vars{{"REFIT_EXPERT_GEMV_MAX_COPIES", "8"},
+                                                 {"REFIT_EXPERT_MMA_MAX_COPIES", "0"}});
   auto graphed = gpu_rig(mem, cfg, w, model::dtype::bfloat16, 8, 64, true);
   auto eager = gpu_rig(mem, cfg, w, model::dtype::bfloat16, 8, 64, false);
   decode_fixture g(graphed), e(eager);

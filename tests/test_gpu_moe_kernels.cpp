@@ -1,7 +1,7 @@
 // The bf16 engine's MoE kernels on a GPU (label gpu), alone: the counting sort by expert and
 // the tensor-core expert projections (expert_mma) against a host fp32 reference over the same
 // bf16 inputs, with empty experts, single copies and experts of more than one 32-copy pass,
-// at every k-split the shape allows.
+// at every k-split the shape allows; and the same kernel's dense mode.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -338,6 +338,77 @@ TEST(GpuMoeKernels, AnExpertMmaSplitThatDoesNotDivideTheShapeIsRefused) {
   a.rows = 24; // not a multiple of 16
   a.k = 128;
   EXPECT_FALSE(kernels::expert_mma_supported(a));
+}
+
+// The dense mode (qkv, o_proj, the router at 9..64 rows): y = x . w^T against a host fp32
+// reference, at row counts on both sides of one 32-row tile set (4 token tiles, then 8), every
+// staging and k-split the shape allows; 48 rows are 3 warp tiles (idle warps in the block).
+TEST(GpuMoeKernels, DenseMmaMatchesTheHostReferenceAtEveryRowCountAndKSplit) {
+  REQUIRE_GPUS(1);
+  struct shape {
+    int rows, k;
+  };
+  for (const shape sh : {shape{384, 512}, shape{48, 256}}) {
+    for (const int m : {1, 9, 32, 33, 64}) {
+      const auto x = random_bf16(static_cast<std::size_t>(m) * sh.k, 3 + m, 1.0f);
+      const auto w = random_bf16(static_cast<std::size_t>(sh.rows) * sh.k, 17,
+                                 1.0f / std::sqrt(float(sh.k)));
+      std::vector<double> reference(static_cast<std::size_t>(m) * sh.rows);
+      for (int i = 0; i < m; ++i)
+        for (int r = 0; r < sh.rows; ++r) {
+          double acc = 0;
+          for (int c = 0; c < sh.k; ++c)
+            acc += double(from_bf16(x[static_cast<std::size_t>(i * sh.k + c)]))
+                   * from_bf16(w[static_cast<std::size_t>(r * sh.k + c)]);
+          reference[static_cast<std::size_t>(i * sh.rows + r)] = acc;
+        }
+      device_vec<std::uint16_t> d_x(x), d_w(w);
+      kernels::expert_mma_args a;
+      a.x = d_x.p;
+      a.w = d_w.p;
+      a.rows = sh.rows;
+      a.k = sh.k;
+      int runs = 0;
+      for (const int chunks : {4, 2, 1})
+        for (int ks = 1; ks <= 8; ks *= 2) {
+          a.max_chunks = chunks;
+          if (kernels::dense_mma_ksplit(a, m, ks) != ks)
+            continue;
+          ++runs;
+          device_vec<std::uint16_t> d_y(static_cast<std::size_t>(m) * sh.rows);
+          CUDA_OK(cudaMemset(d_y.p, 0xff, d_y.n * 2)); // NaN: an element left unwritten shows
+          a.y = d_y.p;
+          kernels::dense_mma(a, m, ks, nullptr);
+          CUDA_OK(cudaDeviceSynchronize());
+          const auto y = d_y.host();
+          double worst = 0;
+          for (std::size_t i = 0; i < y.size(); ++i) {
+            const double got = from_bf16(y[i]);
+            ASSERT_TRUE(std::isfinite(got)) << "element " << i << " unwritten, m " << m;
+            worst = std::max(worst, std::abs(got - reference[i]) / (std::abs(reference[i]) + 0.05));
+          }
+          EXPECT_LT(worst, 0.02) << "rows " << sh.rows << " k " << sh.k << " m " << m
+                                 << " ksplit " << ks << " chunks " << chunks;
+        }
+      EXPECT_GE(runs, 6) << "rows " << sh.rows << " k " << sh.k << " m " << m;
+      a.max_chunks = 4;
+      const int automatic = kernels::dense_mma_ksplit(a, m, 0);
+      EXPECT_TRUE(automatic == 1 || automatic == 2 || automatic == 4 || automatic == 8);
+    }
+  }
+  // More rows than one pass holds, or a GLU projection: refused, naming the row count.
+  kernels::expert_mma_args a;
+  a.rows = 64;
+  a.k = 256;
+  EXPECT_EQ(kernels::dense_mma_ksplit(a, kernels::dense_mma_max_rows + 1, 0), 0);
+  try {
+    kernels::dense_mma(a, kernels::dense_mma_max_rows + 1, 1, nullptr);
+    ADD_FAILURE() << "65 rows accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("65 rows"), std::string::npos) << e.what();
+  }
+  a.glu = true;
+  EXPECT_EQ(kernels::dense_mma_ksplit(a, 16, 0), 0);
 }
 
 } // namespace

@@ -136,6 +136,14 @@ bool expert_mma_supported(const expert_mma_args& args);
 int expert_mma_ksplit(const expert_mma_args& args, int copies, int experts, int wanted);
 void expert_mma(const expert_mma_args& args, int copies, int experts, int ksplit, void* stream);
 
+// A dense projection of a few rows on the same kernel: y bf16 [m, rows] = x bf16 [m, k] .
+// w bf16 [rows, k]^T for 1 <= m <= dense_mma_max_rows, every weight row streamed once (args:
+// x, w, y, rows, k, max_chunks, evict_first; glu false; x_rows and the bucket lists unused).
+// dense_mma_ksplit: the k-split (about one wave of blocks), `wanted` checked; 0: no fit.
+constexpr int dense_mma_max_rows = 64;
+int dense_mma_ksplit(const expert_mma_args& args, int m, int wanted);
+void dense_mma(const expert_mma_args& args, int m, int ksplit, void* stream);
+
 // act bf16 [m, i] = silu(gate) * up of gate_up bf16 [m, 2i] (fp32 math).
 void silu_mul(const void* gate_up, void* act, std::int64_t m, int i, void* stream);
 

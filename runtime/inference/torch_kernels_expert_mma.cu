@@ -13,11 +13,13 @@ using namespace detail;
 namespace {
 
 constexpr int mma_warps = 8;         // per block
-constexpr int mma_token_tiles = 4;   // tiles of 8 tokens per pass over the weights
+constexpr int mma_token_tiles = 4;   // tiles of 8 tokens per pass over an expert's weights
+constexpr int dense_token_tiles = 8; // a dense projection's rows in one pass, up to 64
 constexpr int mma_max_ksplit = 8;
-// ksplit partial sums: (ksplit - 1) * (mma_warps / ksplit) warps * tiles * 32 lanes * 4,
+// ksplit partial sums: (ksplit - 1) * (mma_warps / ksplit) warps * TT tiles * 32 lanes * 4,
 // largest at ksplit 8.
-constexpr int mma_reduce_floats = (mma_max_ksplit - 1) * mma_token_tiles * 32 * 4;
+template <int TT>
+constexpr int mma_reduce_floats = (mma_max_ksplit - 1) * TT * 32 * 4;
 
 // D += A (16 x 16, row) . B (16 x 8, col), bf16 in, fp32 accumulate. Thread (g = lane / 4,
 // t = lane % 4) holds a0/a2: row g, columns 2t..2t+1 / 2t+8..2t+9, a1/a3 the same of row g+8;
@@ -67,12 +69,12 @@ __device__ __forceinline__ void load_stage(const bf16* wa, const bf16* wb, int k
 }
 
 // The MMAs of one k-iteration for the live token tiles.
-template <int CH>
-__device__ __forceinline__ void mma_stage(const bf16* const (&xr)[mma_token_tiles], int off,
-                                          int tiles, const uint4 (&a)[CH], const uint4 (&b)[CH],
-                                          float (&acc)[mma_token_tiles][4]) {
+template <int CH, int TT>
+__device__ __forceinline__ void mma_stage(const bf16* const (&xr)[TT], int off, int tiles,
+                                          const uint4 (&a)[CH], const uint4 (&b)[CH],
+                                          float (&acc)[TT][4]) {
 #pragma unroll
-  for (int tt = 0; tt < mma_token_tiles; ++tt) {
+  for (int tt = 0; tt < TT; ++tt) {
     if (tt < tiles) {
 #pragma unroll
       for (int c = 0; c < CH; ++c) {
@@ -96,22 +98,27 @@ __device__ __forceinline__ void mma_stage(const bf16* const (&xr)[mma_token_tile
 // GLU: tile r holds gate rows 8r..8r+7 (A rows 0..7) and their up rows rows / 2 + 8r.. (A
 // rows 8..15) of w [e, rows, k]; y [m, rows / 2] = silu(gate) * up. Else tile r holds rows
 // 16r..16r+15 of w [e, rows, k]; y [m, rows].
+// Dense mode (dense_count > 0): w is one [rows, k] matrix, x [dense_count, k] its rows in
+// order, one pass of up to TT * 8 of them (the active/counts/offsets lists unused).
 // Registers: CH 4 holds two 4-chunk stages of two rows (64 registers) and runs one block per SM
 // without spilling; CH 2 and 1 fit two blocks per SM (ptxas -v, sm_90).
-template <int CH, bool GLU>
+template <int CH, bool GLU, int TT>
 __global__ void __launch_bounds__(mma_warps * 32, CH >= 4 ? 1 : 2)
   expert_mma_kernel(const bf16* __restrict__ x, const i64* __restrict__ x_rows,
                     const bf16* __restrict__ w, const int* __restrict__ active,
                     const int* __restrict__ active_count, const i64* __restrict__ counts,
                     const int* __restrict__ offsets, bf16* __restrict__ y, int rows, int k,
-                    int ksplit, bool evict_first) {
+                    int ksplit, bool evict_first, int dense_count) {
   pdl_enter();
-  __shared__ float partial[mma_reduce_floats];
-  if (static_cast<int>(blockIdx.y) >= *active_count)
-    return; // the whole block: before any barrier
-  const int e = active[blockIdx.y];
-  const int count = static_cast<int>(counts[e]);
-  const int first = offsets[e] - count;
+  __shared__ float partial[mma_reduce_floats<TT>];
+  int e = 0, count = dense_count, first = 0;
+  if (dense_count == 0) {
+    if (static_cast<int>(blockIdx.y) >= *active_count)
+      return; // the whole block: before any barrier
+    e = active[blockIdx.y];
+    count = static_cast<int>(counts[e]);
+    first = offsets[e] - count;
+  }
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2;
@@ -130,15 +137,15 @@ __global__ void __launch_bounds__(mma_warps * 32, CH >= 4 ? 1 : 2)
   const int lane_k = wk * span + t * 8;
   const int iters = span / (32 * CH);
   const unsigned long long policy = stream_policy(evict_first);
-  for (int base = 0; base < count; base += 8 * mma_token_tiles) {
-    const int tiles = min(mma_token_tiles, (count - base + 7) / 8);
-    const bf16* xr[mma_token_tiles];
+  for (int base = 0; base < count; base += 8 * TT) {
+    const int tiles = min(TT, (count - base + 7) / 8);
+    const bf16* xr[TT];
 #pragma unroll
-    for (int tt = 0; tt < mma_token_tiles; ++tt) {
+    for (int tt = 0; tt < TT; ++tt) {
       const int q = first + min(base + tt * 8 + g, count - 1); // past the end: a real row, unused
       xr[tt] = x + (x_rows != nullptr ? x_rows[q] : static_cast<i64>(q)) * k + lane_k;
     }
-    float acc[mma_token_tiles][4] = {};
+    float acc[TT][4] = {};
     // Two register stages, ping-pong: one in flight while the other feeds the MMAs.
     uint4 sa[2][CH], sb[2][CH];
     if (live)
@@ -147,18 +154,18 @@ __global__ void __launch_bounds__(mma_warps * 32, CH >= 4 ? 1 : 2)
       const int off = it * 32 * CH;
       if (it + 1 < iters)
         load_stage<CH>(wa, wb, lane_k + off + 32 * CH, policy, sa[1], sb[1]);
-      mma_stage<CH>(xr, off, tiles, sa[0], sb[0], acc);
+      mma_stage<CH, TT>(xr, off, tiles, sa[0], sb[0], acc);
       if (it + 2 < iters)
         load_stage<CH>(wa, wb, lane_k + off + 64 * CH, policy, sa[0], sb[0]);
       if (it + 1 < iters)
-        mma_stage<CH>(xr, off + 32 * CH, tiles, sa[1], sb[1], acc);
+        mma_stage<CH, TT>(xr, off + 32 * CH, tiles, sa[1], sb[1], acc);
     }
     if (ksplit > 1) { // the k-slices' sums into the first slice's warp, in slice order
       __syncthreads();
       if (wk > 0) {
-        float* mine = partial + ((wk - 1) * row_warps + wr) * (mma_token_tiles * 128) + lane * 4;
+        float* mine = partial + ((wk - 1) * row_warps + wr) * (TT * 128) + lane * 4;
 #pragma unroll
-        for (int tt = 0; tt < mma_token_tiles; ++tt)
+        for (int tt = 0; tt < TT; ++tt)
           if (tt < tiles)
 #pragma unroll
             for (int i = 0; i < 4; ++i)
@@ -168,9 +175,9 @@ __global__ void __launch_bounds__(mma_warps * 32, CH >= 4 ? 1 : 2)
       if (wk == 0)
         for (int s = 1; s < ksplit; ++s) {
           const float* other =
-            partial + ((s - 1) * row_warps + wr) * (mma_token_tiles * 128) + lane * 4;
+            partial + ((s - 1) * row_warps + wr) * (TT * 128) + lane * 4;
 #pragma unroll
-          for (int tt = 0; tt < mma_token_tiles; ++tt)
+          for (int tt = 0; tt < TT; ++tt)
             if (tt < tiles)
 #pragma unroll
               for (int i = 0; i < 4; ++i)
@@ -179,7 +186,7 @@ __global__ void __launch_bounds__(mma_warps * 32, CH >= 4 ? 1 : 2)
     }
     if (wk == 0 && live) {
 #pragma unroll
-      for (int tt = 0; tt < mma_token_tiles; ++tt)
+      for (int tt = 0; tt < TT; ++tt)
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           const int token = base + tt * 8 + 2 * t + j;
@@ -223,32 +230,33 @@ int blocks_per_expert(const expert_mma_args& a, int ksplit) {
   return (warp_tiles(a) + row_warps - 1) / row_warps;
 }
 
-template <int CH, bool GLU>
-void launch_mma(const expert_mma_args& a, int ksplit, int experts_bound, cudaStream_t s) {
-  const dim3 grid(blocks_per_expert(a, ksplit), experts_bound);
-  launch("expert_mma", expert_mma_kernel<CH, GLU>, grid, dim3(mma_warps * 32), s,
-         static_cast<const bf16*>(a.x), a.x_rows, static_cast<const bf16*>(a.w), a.active,
-         a.active_count, a.counts, a.offsets, static_cast<bf16*>(a.y), a.rows, a.k, ksplit,
-         a.evict_first);
+template <int CH, bool GLU, int TT>
+void launch_mma(const expert_mma_args& a, int ksplit, int grid_y, int dense_count,
+                cudaStream_t s) {
+  const dim3 grid(blocks_per_expert(a, ksplit), grid_y);
+  launch(dense_count > 0 ? "dense_mma" : "expert_mma", expert_mma_kernel<CH, GLU, TT>, grid,
+         dim3(mma_warps * 32), s, static_cast<const bf16*>(a.x), a.x_rows,
+         static_cast<const bf16*>(a.w), a.active, a.active_count, a.counts, a.offsets,
+         static_cast<bf16*>(a.y), a.rows, a.k, ksplit, a.evict_first, dense_count);
 }
 
-template <bool GLU>
-void launch_for_chunks(const expert_mma_args& a, int ksplit, int experts_bound, cudaStream_t s) {
+template <bool GLU, int TT>
+void launch_for_chunks(const expert_mma_args& a, int ksplit, int grid_y, int dense_count,
+                       cudaStream_t s) {
   switch (chunks_for(a.k / ksplit, a.max_chunks)) {
-    case 4: return launch_mma<4, GLU>(a, ksplit, experts_bound, s);
-    case 2: return launch_mma<2, GLU>(a, ksplit, experts_bound, s);
-    case 1: return launch_mma<1, GLU>(a, ksplit, experts_bound, s);
+    case 4: return launch_mma<4, GLU, TT>(a, ksplit, grid_y, dense_count, s);
+    case 2: return launch_mma<2, GLU, TT>(a, ksplit, grid_y, dense_count, s);
+    case 1: return launch_mma<1, GLU, TT>(a, ksplit, grid_y, dense_count, s);
   }
   throw std::invalid_argument("expert_mma: k " + std::to_string(a.k) + " over " +
                               std::to_string(ksplit) + " slices is not a multiple of 32");
 }
 
-} // namespace
-
-int expert_mma_ksplit(const expert_mma_args& a, int copies, int experts, int wanted) {
+// The smallest k-split, from 1 up, that gives `bound` experts' blocks about one wave; else the
+// largest that fits; `wanted` (> 0) only if it fits.
+int choose_ksplit(const expert_mma_args& a, int bound, int wanted) {
   if (wanted > 0)
     return ksplit_fits(a, wanted) ? wanted : 0;
-  const int bound = copies < experts ? copies : experts; // the non-empty experts, at most
   const int want_blocks = multiprocessors(); // about one wave: more k-slices only add sums
   int chosen = 0;
   for (int ks = 1; ks <= mma_max_ksplit; ks *= 2) {
@@ -261,20 +269,61 @@ int expert_mma_ksplit(const expert_mma_args& a, int copies, int experts, int wan
   return chosen;
 }
 
-bool expert_mma_supported(const expert_mma_args& a) { return expert_mma_ksplit(a, 1, 1, 0) > 0; }
-
-void expert_mma(const expert_mma_args& a, int copies, int experts, int ksplit, void* stream) {
+void check_ksplit(const expert_mma_args& a, int ksplit) {
   if (!ksplit_fits(a, ksplit))
     throw std::invalid_argument("expert_mma: ksplit " + std::to_string(ksplit)
                                 + " does not divide the projection (rows " + std::to_string(a.rows)
                                 + ", k " + std::to_string(a.k) + ")");
+}
+
+} // namespace
+
+int expert_mma_ksplit(const expert_mma_args& a, int copies, int experts, int wanted) {
+  return choose_ksplit(a, copies < experts ? copies : experts, wanted); // bound: non-empty experts
+}
+
+bool expert_mma_supported(const expert_mma_args& a) { return expert_mma_ksplit(a, 1, 1, 0) > 0; }
+
+void expert_mma(const expert_mma_args& a, int copies, int experts, int ksplit, void* stream) {
+  check_ksplit(a, ksplit);
   const int bound = copies < experts ? copies : experts;
   if (bound < 1)
     return;
   if (a.glu)
-    launch_for_chunks<true>(a, ksplit, bound, as_stream(stream));
+    launch_for_chunks<true, mma_token_tiles>(a, ksplit, bound, 0, as_stream(stream));
   else
-    launch_for_chunks<false>(a, ksplit, bound, as_stream(stream));
+    launch_for_chunks<false, mma_token_tiles>(a, ksplit, bound, 0, as_stream(stream));
+}
+
+namespace {
+
+// Past 32 rows the pass holds 8 token tiles: one 16-byte chunk per row and k-step keeps it
+// within two blocks' registers per SM (ptxas -v: no spills).
+expert_mma_args dense_args(const expert_mma_args& a, int m) {
+  expert_mma_args d = a;
+  if (m > 8 * mma_token_tiles)
+    d.max_chunks = 1;
+  return d;
+}
+
+} // namespace
+
+int dense_mma_ksplit(const expert_mma_args& a, int m, int wanted) {
+  if (m < 1 || m > dense_mma_max_rows || a.glu)
+    return 0;
+  return choose_ksplit(dense_args(a, m), 1, wanted);
+}
+
+void dense_mma(const expert_mma_args& a, int m, int ksplit, void* stream) {
+  if (m < 1 || m > dense_mma_max_rows || a.glu)
+    throw std::invalid_argument("dense_mma: " + std::to_string(m) + " rows (1.."
+                                + std::to_string(dense_mma_max_rows) + ", no GLU)");
+  const expert_mma_args d = dense_args(a, m);
+  check_ksplit(d, ksplit);
+  if (m > 8 * mma_token_tiles)
+    launch_for_chunks<false, dense_token_tiles>(d, ksplit, 1, m, as_stream(stream));
+  else
+    launch_for_chunks<false, mma_token_tiles>(d, ksplit, 1, m, as_stream(stream));
 }
 
 } // namespace refit::inference::kernels
