@@ -302,8 +302,10 @@ private:
   std::int64_t mma_ksplit_ = 0;
   std::int64_t mma_chunks_ = 2; // expert_mma_args::max_chunks: 2 runs two blocks per SM
   std::int64_t mma_evict_first_ = 1; // expert_mma_args::evict_first (REFIT_EXPERT_MMA_EVICT_FIRST)
-  // Rows up to which qkv, o_proj and the router run on the tensor-core kernel (dense_mma) past
-  // the dense GEMV's 8 instead of cuBLAS (REFIT_DENSE_MMA_MAX_ROWS, at most 64; 0: off).
+  // Rows up to which qkv, o_proj and the router take the dense GEMV (REFIT_DENSE_GEMV_MAX_ROWS,
+  // at most 8), then the tensor-core kernel (dense_mma) instead of cuBLAS
+  // (REFIT_DENSE_MMA_MAX_ROWS, at most 64; 0: off).
+  std::int64_t dense_gemv_max_rows_ = 8;
   std::int64_t dense_mma_max_rows_ = 64;
 #if defined(REFIT_TORCH_CUDA)
   std::optional<c10::cuda::CUDAStream> stream_;

@@ -15,14 +15,16 @@ at::Tensor fast_rank_forward::rms_norm(const at::Tensor& x, const at::Tensor& w)
          && reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16 == 0;
 }
 
-// x [m, k] . w [n, k]^T: at <= 8 rows the dense GEMV, up to dense_mma_max_rows_ the
-// tensor-core kernel (every weight row streamed once), else the ATen GEMM (cuBLAS).
+// x [m, k] . w [n, k]^T: up to dense_gemv_max_rows_ (<= 8) rows the dense GEMV, up to
+// dense_mma_max_rows_ the tensor-core kernel (every weight row streamed once), else the ATen
+// GEMM (cuBLAS).
 at::Tensor fast_rank_forward::linear(const at::Tensor& x, const at::Tensor& w) const {
 #if defined(REFIT_TORCH_CUDA)
   if (fused_ && x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && streamable(x)
       && streamable(w)) {
     const auto m = static_cast<int>(x.size(0));
-    if (kernels::dense_gemv_supported(x.size(0), x.size(1))) {
+    if (x.size(0) <= dense_gemv_max_rows_
+        && kernels::dense_gemv_supported(x.size(0), x.size(1))) {
       at::Tensor y = at::empty({x.size(0), w.size(0)}, bf_);
       kernels::dense_gemv(x.data_ptr(), w.data_ptr(), y.data_ptr(), m,
                           static_cast<int>(w.size(0)), static_cast<int>(x.size(1)), stream());
