@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "engine_fixture.hpp"
+#include "device_sampling_check.hpp"
 #include "gpu_engine_fixture.hpp"
 #include "gpu_fixture.hpp"
 #include "runtime/cuda/cuda.hpp"
@@ -213,6 +214,22 @@ void expect_graph_replay_equals_eager(bool experts_on_mma) {
   EXPECT_EQ(c.graph_replays, 80u); // 2 temperatures x 2 runs x 20 steps
   EXPECT_GE(c.graph_captures, 1u);
   EXPECT_EQ(eager.forward->counters().graph_replays, 0u);
+}
+
+// The device sampler of the fused engine (one kernel per step without top-k / top-p, the
+// ATen chain with them; draws from a captured decode step) against the host sampler on the
+// eager step's logits, at a vocabulary below one id per thread of the kernel and above it.
+TEST(GpuEngine, DeviceSamplingDrawsWhatTheHostSamplerDrawsFromTheSameLogits) {
+  REQUIRE_GPU();
+  for (const std::uint32_t vocab : {256u, 5000u}) {
+    SCOPED_TRACE("vocab " + std::to_string(vocab));
+    const auto cfg = refit::testing::tiny_model(vocab);
+    const auto w = engine_synthetic(cfg);
+    gpu_memory mem;
+    auto rig = gpu_rig(mem, cfg, w, model::dtype::bfloat16, 8, 64);
+    refit::testing::expect_device_sampling_matches_host(rig, cfg);
+    EXPECT_GT(rig.forward->counters().graph_replays, 0u);
+  }
 }
 
 TEST(GpuEngine, CudaGraphReplayEqualsEagerAndIsDeterministic) {

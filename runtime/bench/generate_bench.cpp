@@ -426,7 +426,8 @@ json generate_bench::run() {
   for (const char* knob : {"REFIT_PDL", "REFIT_TP_COMM", "REFIT_EXPERT_GEMV_MAX_COPIES",
                            "REFIT_EXPERT_MMA_MAX_COPIES", "REFIT_EXPERT_MMA_KSPLIT",
                            "REFIT_EXPERT_MMA_CHUNKS", "REFIT_EXPERT_MMA_EVICT_FIRST",
-                           "REFIT_DENSE_GEMV_MAX_ROWS", "REFIT_DENSE_MMA_MAX_ROWS"})
+                           "REFIT_DENSE_GEMV_MAX_ROWS", "REFIT_DENSE_MMA_MAX_ROWS",
+                           "REFIT_FUSED_SAMPLING"})
     if (const char* v = std::getenv(knob); v != nullptr)
       out["engine_env"][knob] = v;
   out["compute_dtype"] = cfg_.runtime.compute_dtype;

@@ -1,5 +1,6 @@
 // Token sampling on the device (the bf16 engine): the semantics of sampling.hpp computed
-// with ATen ops over the logits where they were produced, so only the sampled tokens and their
+// with ATen ops over the logits where they were produced (without top-k / top-p, on a GPU of
+// the fused engine, one kernel: kernels::sample_plain), so only the sampled tokens and their
 // log-probabilities cross to the host (one synchronization per step).
 //
 // The arithmetic follows process_logits/sample_token: z = logits / T in double, z - max(z),
@@ -12,10 +13,17 @@
 
 #include <stdexcept>
 
+#if defined(REFIT_TORCH_CUDA)
+#include <c10/cuda/CUDAStream.h>
+
+#include "runtime/inference/torch_kernels.hpp"
+#endif
+
 namespace refit::inference {
 
 device_samples sample_on_device(const at::Tensor& logits, const sampling_config& params,
-                                const at::Tensor& rows, const at::Tensor& uniforms) {
+                                const at::Tensor& rows, const at::Tensor& uniforms,
+                                [[maybe_unused]] bool fused_kernel) {
   const std::int64_t vocab = logits.size(1);
   const double inv_t =
     params.temperature == 0.0f ? 1.0 : 1.0 / static_cast<double>(params.temperature);
@@ -23,49 +31,65 @@ device_samples sample_on_device(const at::Tensor& logits, const sampling_config&
   const bool use_top_k = params.top_k > 0 && params.top_k < vocab;
   const bool use_top_p = params.top_p > 0.0f && params.top_p < 1.0f;
 
-  at::Tensor z = logits.index_select(0, rows).to(at::kDouble) * inv_t; // [D, V]
-  z = z - std::get<0>(z.max(-1, /*keepdim=*/true));
-  const at::Tensor u = uniforms.unsqueeze(1);                           // [D, 1] double
-
-  at::Tensor token;
-  at::Tensor logprob;
-  if (!use_top_k && !use_top_p) {
-    const at::Tensor e = z.exp();
-    const at::Tensor total = e.sum(-1, /*keepdim=*/true);
-    if (greedy) {
-      token = z.argmax(-1, /*keepdim=*/true); // first maximum: the lowest id on ties
-    } else {
-      const at::Tensor cdf = (e / total).cumsum(-1);
-      token = (cdf <= u).sum(-1, /*keepdim=*/true).clamp_max(vocab - 1);
-    }
-    logprob = z.gather(1, token) - total.log();
-  } else {
-    auto sorted = at::sort(z, /*stable=*/true, /*dim=*/-1, /*descending=*/true);
-    const std::int64_t keep = use_top_k ? params.top_k : vocab;
-    const at::Tensor sz = std::get<0>(sorted).narrow(1, 0, keep);
-    const at::Tensor order = std::get<1>(sorted).narrow(1, 0, keep);
-    const at::Tensor se = sz.exp();
-    at::Tensor nucleus = at::full({se.size(0), 1}, keep, se.options().dtype(at::kLong));
-    if (use_top_p) {
-      const at::Tensor cum = (se / se.sum(-1, /*keepdim=*/true)).cumsum(-1);
-      nucleus = ((cum < static_cast<double>(params.top_p)).sum(-1, /*keepdim=*/true) + 1)
-                  .clamp_max(keep);
-    }
-    const at::Tensor position = at::arange(keep, se.options().dtype(at::kLong)).unsqueeze(0);
-    const at::Tensor kept = se * (position < nucleus).to(at::kDouble);
-    const at::Tensor total = kept.sum(-1, /*keepdim=*/true);
-    at::Tensor pick;
-    if (greedy) {
-      pick = at::zeros({se.size(0), 1}, nucleus.options());
-    } else {
-      const at::Tensor cdf = (kept / total).cumsum(-1);
-      pick = at::minimum((cdf <= u).sum(-1, /*keepdim=*/true), nucleus - 1);
-    }
-    token = order.gather(1, pick);
-    logprob = sz.gather(1, pick) - total.log();
+  at::Tensor packed; // [D, 2] double on the host: token, logprob
+#if defined(REFIT_TORCH_CUDA)
+  if (fused_kernel && logits.is_cuda() && !use_top_k && !use_top_p
+      && logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.stride(1) == 1) {
+    const at::Tensor r = rows.contiguous();
+    const at::Tensor u = uniforms.contiguous();
+    at::Tensor drawn = at::empty({r.size(0), 2}, logits.options().dtype(at::kDouble));
+    kernels::sample_plain(logits.data_ptr<float>(), vocab, logits.stride(0),
+                          r.data_ptr<std::int64_t>(), greedy ? nullptr : u.data_ptr<double>(),
+                          static_cast<int>(r.size(0)), inv_t, greedy, drawn.data_ptr<double>(),
+                          c10::cuda::getCurrentCUDAStream(logits.device().index()).stream());
+    packed = drawn.cpu();
   }
-  // One transfer: [token, logprob] per draw as doubles (ids < 2^53 are exact).
-  const at::Tensor packed = at::cat({token.to(at::kDouble), logprob}, 1).cpu();
+#endif
+  if (!packed.defined()) {
+    at::Tensor z = logits.index_select(0, rows).to(at::kDouble) * inv_t; // [D, V]
+    z = z - std::get<0>(z.max(-1, /*keepdim=*/true));
+    const at::Tensor u = uniforms.unsqueeze(1);                           // [D, 1] double
+
+    at::Tensor token;
+    at::Tensor logprob;
+    if (!use_top_k && !use_top_p) {
+      const at::Tensor e = z.exp();
+      const at::Tensor total = e.sum(-1, /*keepdim=*/true);
+      if (greedy) {
+        token = z.argmax(-1, /*keepdim=*/true); // first maximum: the lowest id on ties
+      } else {
+        const at::Tensor cdf = (e / total).cumsum(-1);
+        token = (cdf <= u).sum(-1, /*keepdim=*/true).clamp_max(vocab - 1);
+      }
+      logprob = z.gather(1, token) - total.log();
+    } else {
+      auto sorted = at::sort(z, /*stable=*/true, /*dim=*/-1, /*descending=*/true);
+      const std::int64_t keep = use_top_k ? params.top_k : vocab;
+      const at::Tensor sz = std::get<0>(sorted).narrow(1, 0, keep);
+      const at::Tensor order = std::get<1>(sorted).narrow(1, 0, keep);
+      const at::Tensor se = sz.exp();
+      at::Tensor nucleus = at::full({se.size(0), 1}, keep, se.options().dtype(at::kLong));
+      if (use_top_p) {
+        const at::Tensor cum = (se / se.sum(-1, /*keepdim=*/true)).cumsum(-1);
+        nucleus = ((cum < static_cast<double>(params.top_p)).sum(-1, /*keepdim=*/true) + 1)
+                    .clamp_max(keep);
+      }
+      const at::Tensor position = at::arange(keep, se.options().dtype(at::kLong)).unsqueeze(0);
+      const at::Tensor kept = se * (position < nucleus).to(at::kDouble);
+      const at::Tensor total = kept.sum(-1, /*keepdim=*/true);
+      at::Tensor pick;
+      if (greedy) {
+        pick = at::zeros({se.size(0), 1}, nucleus.options());
+      } else {
+        const at::Tensor cdf = (kept / total).cumsum(-1);
+        pick = at::minimum((cdf <= u).sum(-1, /*keepdim=*/true), nucleus - 1);
+      }
+      token = order.gather(1, pick);
+      logprob = sz.gather(1, pick) - total.log();
+    }
+    // One transfer: [token, logprob] per draw as doubles (ids < 2^53 are exact).
+    packed = at::cat({token.to(at::kDouble), logprob}, 1).cpu();
+  }
   device_samples out;
   const auto a = packed.accessor<double, 2>();
   out.tokens.resize(static_cast<std::size_t>(packed.size(0)));

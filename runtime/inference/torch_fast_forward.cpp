@@ -104,6 +104,7 @@ fast_rank_forward::fast_rank_forward(const rank_forward_options& o)
   mma_ksplit_ = choice_knob("REFIT_EXPERT_MMA_KSPLIT", {"0", "1", "2", "4", "8"}, mma_ksplit_);
   mma_chunks_ = choice_knob("REFIT_EXPERT_MMA_CHUNKS", {"1", "2", "4"}, mma_chunks_);
   mma_evict_first_ = choice_knob("REFIT_EXPERT_MMA_EVICT_FIRST", {"0", "1"}, mma_evict_first_);
+  fused_sampling_ = choice_knob("REFIT_FUSED_SAMPLING", {"0", "1"}, fused_sampling_);
   dense_gemv_max_rows_ = count_knob("REFIT_DENSE_GEMV_MAX_ROWS", dense_gemv_max_rows_, "rows", 8);
   dense_mma_max_rows_ = count_knob("REFIT_DENSE_MMA_MAX_ROWS", dense_mma_max_rows_, "rows", 64);
   [[maybe_unused]] const bool programmatic = choice_knob("REFIT_PDL", {"0", "1"}, 1) == 1;
@@ -157,7 +158,8 @@ std::vector<sampled_token> fast_rank_forward::forward_sample_device(const std::v
   const at::Tensor u = at::from_blob(const_cast<double*>(uniforms.data()),
                                      {static_cast<std::int64_t>(uniforms.size())}, at::kDouble)
                          .to(device_);
-  const device_samples drawn = sample_on_device(logits, params, row_index, u);
+  const device_samples drawn =
+    sample_on_device(logits, params, row_index, u, fused_ && fused_sampling_ != 0);
   std::vector<sampled_token> out(draws.size());
   for (std::size_t i = 0; i < draws.size(); ++i)
     out[i] = {drawn.tokens[i], drawn.logprobs[i]};

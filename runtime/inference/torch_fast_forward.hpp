@@ -306,6 +306,9 @@ private:
   // at most 8), then the tensor-core kernel (dense_mma) instead of cuBLAS
   // (REFIT_DENSE_MMA_MAX_ROWS, at most 64; 0: off).
   std::int64_t dense_gemv_max_rows_ = 8;
+  // Draws without top-k / top-p in one kernel (kernels::sample_plain) instead of the ATen chain
+  // (REFIT_FUSED_SAMPLING=0|1).
+  std::int64_t fused_sampling_ = 1;
   std::int64_t dense_mma_max_rows_ = 64;
 #if defined(REFIT_TORCH_CUDA)
   std::optional<c10::cuda::CUDAStream> stream_;

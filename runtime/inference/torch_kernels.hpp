@@ -144,6 +144,15 @@ constexpr int dense_mma_max_rows = 64;
 int dense_mma_ksplit(const expert_mma_args& args, int m, int wanted);
 void dense_mma(const expert_mma_args& args, int m, int ksplit, void* stream);
 
+// Sampling without top-k / top-p filters, one block per draw d: out double [draws, 2] =
+// (token, logprob) from row rows[d] of logits fp32 (row_stride floats apart, vocab columns)
+// with uniform uniforms[d]; the arithmetic of sample_on_device (z = logits * inv_t - max in
+// double, the first id whose cumulative probability exceeds u, or the first maximum when
+// greedy; logprob = z[token] - log(sum exp z)), its sums in a fixed order.
+void sample_plain(const float* logits, std::int64_t vocab, std::int64_t row_stride,
+                  const std::int64_t* rows, const double* uniforms, int draws, double inv_t,
+                  bool greedy, double* out, void* stream);
+
 // act bf16 [m, i] = silu(gate) * up of gate_up bf16 [m, 2i] (fp32 math).
 void silu_mul(const void* gate_up, void* act, std::int64_t m, int i, void* stream);
 

@@ -1,0 +1,159 @@
+// Sampling without filters on the device (torch_kernels.hpp: sample_plain): one block per draw
+// does what the ATen chain of sample_on_device does for top_k 0 and top_p 1 (z = logits / T in
+// double, z - max, exp, the inverse CDF of the draw's uniform in id order, or the first
+// maximum when greedy), reading the row a few times instead of a dozen [draws, vocab] double
+// tensors passing through memory.
+#include "runtime/inference/torch_kernels.hpp"
+#include "runtime/inference/torch_kernels_common.cuh"
+
+namespace refit::inference::kernels {
+
+using namespace detail;
+
+namespace {
+
+constexpr int sample_threads = 1024;
+constexpr int sample_warps = sample_threads / 32;
+static_assert(sample_warps == 32, "the scans take one warp total per lane");
+
+// Sum over the block in a fixed order (warp trees, then warp 0 over the warp totals):
+// the same bits every run. `shared` holds sample_warps doubles.
+__device__ double block_sum_d(double v, double* shared) {
+  for (int o = 16; o > 0; o >>= 1)
+    v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __syncthreads(); // `shared` may still be read from a previous call
+  if (lane == 0)
+    shared[warp] = v;
+  __syncthreads();
+  double t = lane < sample_warps ? shared[lane] : 0.0;
+  for (int o = 16; o > 0; o >>= 1)
+    t += __shfl_xor_sync(0xffffffffu, t, o);
+  return t; // every thread
+}
+
+// Exclusive prefix over the threads of v (thread order), in a fixed order.
+__device__ double block_exclusive_scan_d(double v, double* shared) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  double inclusive = v;
+  for (int o = 1; o < 32; o <<= 1) {
+    const double u = __shfl_up_sync(0xffffffffu, inclusive, o);
+    if (lane >= o)
+      inclusive += u;
+  }
+  __syncthreads();
+  if (lane == 31)
+    shared[warp] = inclusive;
+  __syncthreads();
+  if (warp == 0) {
+    double t = shared[lane]; // sample_warps == 32
+    for (int o = 1; o < 32; o <<= 1) {
+      const double u = __shfl_up_sync(0xffffffffu, t, o);
+      if (lane >= o)
+        t += u;
+    }
+    shared[lane] = t; // inclusive over the warps
+  }
+  __syncthreads();
+  return (warp > 0 ? shared[warp - 1] : 0.0) + inclusive - v;
+}
+
+// Block d: row rows[d] of logits (row_stride floats apart). out[d] = (token, logprob) as
+// doubles: token = the number of ids whose cumulative probability is <= u[d] (at most
+// vocab - 1), or the first maximum when greedy; logprob = z[token] - log(sum exp z), z =
+// logits * inv_t - max. Thread t owns ids [t * chunk, (t + 1) * chunk) for the sums, in order.
+__global__ void __launch_bounds__(sample_threads)
+  sample_plain_kernel(const float* __restrict__ logits, i64 vocab, i64 row_stride,
+                      const i64* __restrict__ rows, const double* __restrict__ u,
+                      double inv_t, bool greedy, double* __restrict__ out) {
+  pdl_enter();
+  __shared__ double dshared[sample_warps];
+  __shared__ double max_of[sample_warps];
+  __shared__ i64 arg_of[sample_warps];
+  __shared__ unsigned long long first_above;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const float* row = logits + rows[blockIdx.x] * row_stride;
+  // The maximum of z and its first id: strided (coalesced) reads, ties to the lower id.
+  double best = -INFINITY;
+  i64 best_id = vocab; // no id yet: loses every tie below
+  for (i64 i = threadIdx.x; i < vocab; i += sample_threads) {
+    const double z = static_cast<double>(row[i]) * inv_t;
+    if (z > best || best_id == vocab) {
+      best = z;
+      best_id = i;
+    }
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    const double b = __shfl_xor_sync(0xffffffffu, best, o);
+    const i64 id = __shfl_xor_sync(0xffffffffu, best_id, o);
+    if (b > best || (b == best && id < best_id)) {
+      best = b;
+      best_id = id;
+    }
+  }
+  if (lane == 0) {
+    max_of[warp] = best;
+    arg_of[warp] = best_id;
+  }
+  if (threadIdx.x == 0)
+    first_above = static_cast<unsigned long long>(vocab);
+  __syncthreads();
+  double mx = max_of[0];
+  i64 arg = arg_of[0];
+  for (int w = 1; w < sample_warps; ++w)
+    if (max_of[w] > mx || (max_of[w] == mx && arg_of[w] < arg)) {
+      mx = max_of[w];
+      arg = arg_of[w];
+    }
+  const i64 chunk = (vocab + sample_threads - 1) / sample_threads;
+  const i64 lo = threadIdx.x * chunk;
+  const i64 hi = lo + chunk < vocab ? lo + chunk : vocab;
+  double sum = 0.0;
+  for (i64 i = lo; i < hi; ++i)
+    sum += exp(static_cast<double>(row[i]) * inv_t - mx);
+  const double total = block_sum_d(sum, dshared);
+  i64 token = arg;
+  if (!greedy) {
+    // cdf_i = the sum of exp(z_j) / total over j <= i; the token is the first id above u.
+    double mass = 0.0;
+    for (i64 i = lo; i < hi; ++i)
+      mass += exp(static_cast<double>(row[i]) * inv_t - mx) / total;
+    const double before = block_exclusive_scan_d(mass, dshared);
+    const double target = u[blockIdx.x];
+    if (lo < hi && before + mass > target) { // this chunk holds an id above u
+      double cdf = before;
+      i64 i = lo;
+      for (; i < hi; ++i) {
+        cdf += exp(static_cast<double>(row[i]) * inv_t - mx) / total;
+        if (cdf > target)
+          break;
+      }
+      if (i < hi)
+        atomicMin(&first_above, static_cast<unsigned long long>(i));
+    }
+    __syncthreads();
+    token = static_cast<i64>(first_above);
+    if (token > vocab - 1)
+      token = vocab - 1;
+  }
+  if (threadIdx.x == 0) {
+    out[2 * blockIdx.x] = static_cast<double>(token);
+    out[2 * blockIdx.x + 1] = static_cast<double>(row[token]) * inv_t - mx - log(total);
+  }
+}
+
+} // namespace
+
+void sample_plain(const float* logits, std::int64_t vocab, std::int64_t row_stride,
+                  const std::int64_t* rows, const double* uniforms, int draws, double inv_t,
+                  bool greedy, double* out, void* stream) {
+  if (vocab < 1 || draws < 0)
+    throw std::invalid_argument("sample_plain: vocab " + std::to_string(vocab) + ", "
+                                + std::to_string(draws) + " draws");
+  if (draws == 0)
+    return;
+  launch("sample_plain", sample_plain_kernel, dim3(draws), dim3(sample_threads),
+         as_stream(stream), logits, vocab, row_stride, rows, uniforms, inv_t, greedy, out);
+}
+
+} // namespace refit::inference::kernels
