@@ -23,8 +23,9 @@ timeout "$LIMIT" ./build-gpu/bin/refit-expert-bench --batch 1,2,4,8,16,32,64,128
 # name: environment (the engine reads these when it is built; docs/operations.md)
 settings=(
   "default:"
-  "mma:REFIT_EXPERT_MMA_MAX_COPIES=4096"
-  "mma-all:REFIT_EXPERT_MMA_MAX_COPIES=4096 REFIT_EXPERT_GEMV_MAX_COPIES=0"
+  "grouped:REFIT_EXPERT_MMA_MAX_COPIES=0 REFIT_EXPERT_GEMV_MAX_COPIES=8"
+  "dense-cublas:REFIT_DENSE_MMA_MAX_ROWS=0"
+  "l2-normal:REFIT_EXPERT_MMA_EVICT_FIRST=0"
 )
 for s in "${settings[@]}"; do
   name=${s%%:*}
