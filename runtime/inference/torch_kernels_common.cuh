@@ -40,6 +40,19 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// The warp's largest (value, id) pair, ties to the lower id; every lane gets it.
+template <class V, class I>
+__device__ __forceinline__ void warp_argmax(V& best, I& id) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const V b = __shfl_xor_sync(0xffffffffu, best, o);
+    const I other = __shfl_xor_sync(0xffffffffu, id, o);
+    if (b > best || (b == best && other < id)) {
+      best = b;
+      id = other;
+    }
+  }
+}
+
 // Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
 __device__ __forceinline__ float block_sum(float v, float* shared) {
   v = warp_sum(v);

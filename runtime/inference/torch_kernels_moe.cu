@@ -50,14 +50,7 @@ __device__ void route_token(const bf16* __restrict__ logits, int token, int expe
         best_e = e;
       }
     }
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-      const int oe = __shfl_xor_sync(0xffffffffu, best_e, o);
-      if (ob > best || (ob == best && oe < best_e)) {
-        best = ob;
-        best_e = oe;
-      }
-    }
+    warp_argmax(best, best_e);
     if ((best_e & 31) == lane)
       v[best_e >> 5] = -1.0f; // taken
     total += best;

@@ -83,14 +83,7 @@ __global__ void __launch_bounds__(sample_threads)
       best_id = i;
     }
   }
-  for (int o = 16; o > 0; o >>= 1) {
-    const double b = __shfl_xor_sync(0xffffffffu, best, o);
-    const i64 id = __shfl_xor_sync(0xffffffffu, best_id, o);
-    if (b > best || (b == best && id < best_id)) {
-      best = b;
-      best_id = id;
-    }
-  }
+  warp_argmax(best, best_id);
   if (lane == 0) {
     max_of[warp] = best;
     arg_of[warp] = best_id;
