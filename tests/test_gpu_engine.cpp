@@ -56,8 +56,8 @@ using env_vars = std::vector<std::pair<std::string, std::string>>;
 // The fused kernels (head_dim 64 reaches every one of them) against the ATen chains and the
 // fp32 reference, over a prefill of 11 rows and 30 decode steps of one row crossing block
 // boundaries, the fused engine built under `knobs` (the ATen rig ignores them). By default
-// the prefill's qkv / o_proj / router take the dense tensor-core kernel and its 44 routed
-// copies the expert one, the decode rows the dense GEMV and the expert kernel.
+// qkv / o_proj / the router of the prefill and of the decode rows take the dense tensor-core
+// kernel, and the routed copies (44, then 4) the expert one.
 void expect_fused_matches_aten(const env_vars& knobs) {
   const auto cfg = refit::testing::small_model();
   const auto w = engine_synthetic(cfg);
@@ -92,11 +92,12 @@ TEST(GpuEngine, FusedKernelsComputeWhatTheAtenPathComputes) {
   expect_fused_matches_aten({});
 }
 
-// The expert GEMV at the decode rows' 8 copies, the grouped GEMM and cuBLAS elsewhere.
+// The dense and expert GEMVs at the decode rows, the grouped GEMM and cuBLAS elsewhere.
 TEST(GpuEngine, FusedKernelsWithoutTheTensorCoreKernelsComputeWhatTheAtenPathComputes) {
   REQUIRE_GPU();
   expect_fused_matches_aten({{"REFIT_EXPERT_GEMV_MAX_COPIES", "8"},
                              {"REFIT_EXPERT_MMA_MAX_COPIES", "0"},
+                             {"REFIT_DENSE_GEMV_MAX_ROWS", "8"},
                              {"REFIT_DENSE_MMA_MAX_ROWS", "0"}});
 }
 
@@ -175,7 +176,7 @@ struct decode_fixture {
 
 // Graphed against eager decode steps of five sequences, greedy and sampled, and graph replays
 // against each other; `experts_on_mma`: every step's experts on the tensor-core kernel (the
-// default), else on the expert GEMV and the grouped GEMM.
+// default), else the expert and dense GEMVs and the grouped GEMM.
 void expect_graph_replay_equals_eager(bool experts_on_mma) {
   const auto cfg = refit::testing::tiny_model();
   const auto w = engine_synthetic(cfg);
@@ -183,7 +184,9 @@ void expect_graph_replay_equals_eager(bool experts_on_mma) {
   const scoped_env env(experts_on_mma ? env_vars{{"REFIT_EXPERT_GEMV_MAX_COPIES", "0"},
                                                  {"REFIT_EXPERT_MMA_MAX_COPIES", "4096"}}
                                       : env_vars{{"REFIT_EXPERT_GEMV_MAX_COPIES", "8"},
-                                                 {"REFIT_EXPERT_MMA_MAX_COPIES", "0"}});
+                                                 {"REFIT_EXPERT_MMA_MAX_COPIES", "0"},
+                                                 {"REFIT_DENSE_GEMV_MAX_ROWS", "8"},
+                                                 {"REFIT_DENSE_MMA_MAX_ROWS", "0"}});
   auto graphed = gpu_rig(mem, cfg, w, model::dtype::bfloat16, 8, 64, true);
   auto eager = gpu_rig(mem, cfg, w, model::dtype::bfloat16, 8, 64, false);
   decode_fixture g(graphed), e(eager);
