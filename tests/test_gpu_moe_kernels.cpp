@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "gpu_fixture.hpp"
+#include "runtime/bench/device_bucket.hpp"
 #include "runtime/cuda/cuda.hpp"
 #include "runtime/inference/torch_kernels.hpp"
 
@@ -40,24 +41,11 @@ float from_bf16(std::uint16_t b) {
   return f;
 }
 
-// `n` elements of T on cuda:0 (cuda::device_allocation: zeroed, freed with the object).
+// `n` elements of T on cuda:0 (zeroed, freed with the object), or a copy of a host vector.
 template <class T>
-struct device_vec {
-  cuda::device_allocation memory;
-  std::size_t n = 0;
-  T* p = nullptr;
-  explicit device_vec(std::size_t count)
-    : memory(0, std::max<std::size_t>(1, count) * sizeof(T), "test buffer"), n(count),
-      p(reinterpret_cast<T*>(memory.data())) {}
-  explicit device_vec(const std::vector<T>& host) : device_vec(host.size()) {
-    cuda::copy_to_device(0, memory.data(), reinterpret_cast<const std::byte*>(host.data()),
-                         n * sizeof(T));
-  }
-  std::vector<T> host() const {
-    std::vector<T> out(n);
-    cuda::copy_to_host(0, reinterpret_cast<std::byte*>(out.data()), memory.data(), n * sizeof(T));
-    return out;
-  }
+struct device_vec : cuda::device_array<T> {
+  explicit device_vec(std::size_t count) : cuda::device_array<T>(0, count, "test buffer") {}
+  explicit device_vec(const std::vector<T>& host) : cuda::device_array<T>(0, host, "test buffer") {}
 };
 
 std::vector<std::uint16_t> random_bf16(std::size_t n, std::uint32_t seed, float scale) {
@@ -122,27 +110,6 @@ sorted_copies host_bucket(const std::vector<i64>& ids, int top_k, int experts) {
   return s;
 }
 
-// The bucket kernel's outputs on the device.
-struct device_bucket {
-  device_vec<i64> counts, order, src_token, inverse, loads;
-  device_vec<int> offsets, active;
-  device_bucket(int copies, int experts)
-    : counts(experts), order(copies), src_token(copies), inverse(copies),
-      loads(std::vector<i64>{5, 7}), offsets(experts), active(experts + 1) {}
-  kernels::bucket_out out() {
-    kernels::bucket_out b;
-    b.counts = counts.p;
-    b.offsets = offsets.p;
-    b.order = order.p;
-    b.src_token = src_token.p;
-    b.inverse = inverse.p;
-    b.active = active.p;
-    b.active_count = active.p + (active.n - 1);
-    b.loads = loads.p;
-    b.loads_n = 2;
-    return b;
-  }
-};
 
 TEST(GpuMoeKernels, BucketSortsCopiesByExpertStablyAndListsTheNonEmptyExperts) {
   REQUIRE_GPUS(1);
@@ -150,7 +117,7 @@ TEST(GpuMoeKernels, BucketSortsCopiesByExpertStablyAndListsTheNonEmptyExperts) {
   const auto ids = skewed_routing(tokens, top_k, experts, 3);
   const int copies = tokens * top_k;
   device_vec<i64> d_ids(ids);
-  device_bucket d(copies, experts);
+  refit::bench::device_bucket d(0, copies, experts, {5, 7}); // expert loads start at 5 and 7
   kernels::bucket(d_ids.p, copies, top_k, experts, d.out(), nullptr);
   CUDA_OK(cudaDeviceSynchronize());
   const auto want = host_bucket(ids, top_k, experts);
@@ -256,7 +223,7 @@ TEST(GpuMoeKernels, ExpertMmaMatchesTheHostReferenceAtEveryKSplit) {
   const auto want = host_bucket(ids, top_k, experts);
   ASSERT_GT(want.counts[0], 64);
   device_vec<i64> d_ids(ids);
-  device_bucket d(copies, experts);
+  refit::bench::device_bucket d(0, copies, experts, {5, 7}); // expert loads start at 5 and 7
   kernels::bucket(d_ids.p, copies, top_k, experts, d.out(), nullptr);
   for (const projection_case pc : {projection_case{256, 512, true}, projection_case{512, 256, false},
                                    projection_case{48, 128, false}}) {

@@ -15,7 +15,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <memory>
 #include <numeric>
 #include <random>
 #include <set>
@@ -26,6 +25,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "runtime/bench/device_bucket.hpp"
 #include "runtime/cuda/cuda.hpp"
 #include "runtime/inference/torch_kernels.hpp"
 
@@ -96,18 +96,13 @@ options parse(int argc, char** argv) {
   return o;
 }
 
-// `n` elements of T on cuda:0 (cuda::device_allocation), every byte set to `fill`.
+// `n` elements of T on cuda:0, every byte set to `fill`.
 template <class T>
-struct device_buffer {
-  cuda::device_allocation memory;
-  T* p = nullptr;
-  explicit device_buffer(std::size_t n, int fill = 0)
-    : memory(0, std::max<std::size_t>(n, 1) * sizeof(T), "bench buffer"),
-      p(reinterpret_cast<T*>(memory.data())) {
-    if (fill != 0)
-      check(cudaMemset(p, fill, n * sizeof(T)), "cudaMemset");
-  }
-};
+cuda::device_array<T> filled(std::size_t n, int fill) {
+  cuda::device_array<T> a(0, n, "bench buffer");
+  check(cudaMemset(a.p, fill, n * sizeof(T)), "cudaMemset");
+  return a;
+}
 
 struct timer {
   cudaStream_t s;
@@ -140,21 +135,22 @@ int main(int argc, char** argv) try {
   using bf16_bits = unsigned short;
   const int e = o.experts, h = o.hidden, in = o.inter;
   const std::size_t w13_n = std::size_t(e) * 2 * in * h, w2_n = std::size_t(e) * h * in;
-  std::vector<std::unique_ptr<device_buffer<bf16_bits>>> w13, w2;
+  std::vector<cuda::device_array<bf16_bits>> w13, w2;
   for (int l = 0; l < o.layers; ++l) { // 0x3c3c: bf16 0.0115, finite through SiLU
-    w13.push_back(std::make_unique<device_buffer<bf16_bits>>(w13_n, 0x3c));
-    w2.push_back(std::make_unique<device_buffer<bf16_bits>>(w2_n, 0x3c));
+    w13.push_back(filled<bf16_bits>(w13_n, 0x3c));
+    w2.push_back(filled<bf16_bits>(w2_n, 0x3c));
   }
   const int max_batch = *std::max_element(o.batches.begin(), o.batches.end());
   const std::size_t max_copies = std::size_t(max_batch) * o.top_k;
-  device_buffer<bf16_bits> x(std::size_t(max_batch) * h, 0x3c), act(max_copies * in),
-    ys(max_copies * h), gate_up(max_copies * 2 * in);
+  const auto x = filled<bf16_bits>(std::size_t(max_batch) * h, 0x3c);
+  const cuda::device_array<bf16_bits> act(0, max_copies * in, "bench buffer"),
+    ys(0, max_copies * h, "bench buffer"), gate_up(0, max_copies * 2 * in, "bench buffer");
   cudaStream_t s = nullptr;
   check(cudaStreamCreate(&s), "cudaStreamCreate");
   timer t(s);
 
   const std::size_t bound_bytes = std::size_t{256} << 20;
-  device_buffer<char> c0(bound_bytes), c1(bound_bytes);
+  const cuda::device_array<char> c0(0, bound_bytes, "copy bound"), c1(0, bound_bytes, "copy bound");
   std::vector<double> copies_s;
   for (int r = 0; r < 10; ++r)
     copies_s.push_back(t.seconds([&] {
@@ -187,22 +183,9 @@ int main(int argc, char** argv) try {
     }
     const std::set<std::int64_t> used(ids.begin(), ids.end());
     const int copies = batch * o.top_k;
-    device_buffer<std::int64_t> d_ids(ids.size()), counts(e), order(copies), src(copies),
-      inverse(copies), loads(1);
-    device_buffer<int> offsets(e), active(e + 1);
-    cuda::copy_to_device(0, d_ids.memory.data(), reinterpret_cast<const std::byte*>(ids.data()),
-                         ids.size() * sizeof(std::int64_t));
-    kernels::bucket_out b;
-    b.counts = counts.p;
-    b.offsets = offsets.p;
-    b.order = order.p;
-    b.src_token = src.p;
-    b.inverse = inverse.p;
-    b.active = active.p;
-    b.active_count = active.p + e;
-    b.loads = loads.p;
-    b.loads_n = 1;
-    kernels::bucket(d_ids.p, copies, o.top_k, e, b, s);
+    const cuda::device_array<std::int64_t> d_ids(0, ids, "routed ids");
+    const refit::bench::device_bucket d(0, copies, e, {0});
+    kernels::bucket(d_ids.p, copies, o.top_k, e, d.out(), s);
     const double bytes = double(used.size()) * 3.0 * h * in * 2.0;
     const auto measure = [&](const std::string& path, auto&& step) {
       step(0); // warm-up
@@ -237,7 +220,7 @@ int main(int argc, char** argv) try {
       up.max_chunks = down.max_chunks = chunks;
       up.evict_first = down.evict_first = evict_first;
       up.x = x.p;
-      up.x_rows = src.p;
+      up.x_rows = d.src_token.p;
       up.rows = 2 * in;
       up.k = h;
       up.glu = true;
@@ -247,10 +230,10 @@ int main(int argc, char** argv) try {
       down.k = in;
       down.y = ys.p;
       for (kernels::expert_mma_args* a : {&up, &down}) {
-        a->active = active.p;
-        a->active_count = active.p + e;
-        a->counts = counts.p;
-        a->offsets = offsets.p;
+        a->active = d.active.p;
+        a->active_count = d.active.p + e;
+        a->counts = d.counts.p;
+        a->offsets = d.offsets.p;
       }
       if (!kernels::expert_mma_supported(up) || !kernels::expert_mma_supported(down))
         break;
@@ -262,8 +245,8 @@ int main(int argc, char** argv) try {
                 + std::to_string(ks_down) + " c" + std::to_string(chunks)
                 + (evict_first ? "" : " l2-normal"),
               [&](int l) {
-                up.w = w13[static_cast<std::size_t>(l)]->p;
-                down.w = w2[static_cast<std::size_t>(l)]->p;
+                up.w = w13[static_cast<std::size_t>(l)].p;
+                down.w = w2[static_cast<std::size_t>(l)].p;
                 kernels::expert_mma(up, copies, e, ks_up, s);
                 kernels::expert_mma(down, copies, e, ks_down, s);
               });
@@ -272,12 +255,12 @@ int main(int argc, char** argv) try {
       measure("gemv", [&](int l) {
         kernels::gemv_args g;
         g.x = x.p;
-        g.x_rows = src.p;
-        g.w = w13[static_cast<std::size_t>(l)]->p;
+        g.x_rows = d.src_token.p;
+        g.w = w13[static_cast<std::size_t>(l)].p;
         g.ids = d_ids.p;
-        g.order = order.p;
-        g.counts = counts.p;
-        g.offsets = offsets.p;
+        g.order = d.order.p;
+        g.counts = d.counts.p;
+        g.offsets = d.offsets.p;
         g.y = gate_up.p;
         g.copies = copies;
         g.n = 2 * in;
@@ -286,7 +269,7 @@ int main(int argc, char** argv) try {
         kernels::silu_mul(gate_up.p, act.p, copies, in, s);
         g.x = act.p;
         g.x_rows = nullptr;
-        g.w = w2[static_cast<std::size_t>(l)]->p;
+        g.w = w2[static_cast<std::size_t>(l)].p;
         g.y = ys.p;
         g.n = h;
         g.k = in;

@@ -62,6 +62,29 @@ private:
 void copy_to_host(int ordinal, std::byte* dst, const std::byte* src, std::uint64_t bytes);
 void copy_to_device(int ordinal, std::byte* dst, const std::byte* src, std::uint64_t bytes);
 
+// `n` elements of T in a device_allocation of `ordinal` (zero-filled, at least one element's
+// bytes), typed; for kernel tests and benchmarks that hand plain pointers to kernels.
+template <class T>
+struct device_array {
+  device_allocation memory;
+  std::size_t n = 0;
+  T* p = nullptr;
+  device_array(int ordinal, std::size_t count, const std::string& what)
+    : memory(ordinal, (count > 0 ? count : 1) * sizeof(T), what), n(count),
+      p(reinterpret_cast<T*>(memory.data())) {}
+  device_array(int ordinal, const std::vector<T>& host, const std::string& what)
+    : device_array(ordinal, host.size(), what) {
+    copy_to_device(ordinal, memory.data(), reinterpret_cast<const std::byte*>(host.data()),
+                   n * sizeof(T));
+  }
+  std::vector<T> host() const {
+    std::vector<T> out(n);
+    copy_to_host(memory.ordinal(), reinterpret_cast<std::byte*>(out.data()), memory.data(),
+                 n * sizeof(T));
+    return out;
+  }
+};
+
 // ---- streams and batched copies --------------------------------------------------------
 
 // One strided 2-D copy inside device memory (a TP slice, a fused-layout placement).
