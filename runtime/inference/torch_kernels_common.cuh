@@ -28,7 +28,8 @@ inline void check(const char* what) {
 __device__ __forceinline__ float to_f(bf16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ bf16 to_bf(float v) { return __float2bfloat16(v); }
 
-__device__ __forceinline__ float warp_sum(float v) {
+template <class T>
+__device__ __forceinline__ T warp_sum(T v) {
   for (int o = 16; o > 0; o >>= 1)
     v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
@@ -53,8 +54,11 @@ __device__ __forceinline__ void warp_argmax(V& best, I& id) {
   }
 }
 
-// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
-__device__ __forceinline__ float block_sum(float v, float* shared) {
+// Sum over the block (blockDim.x a multiple of 32, at most 1024), in a fixed order (warp
+// trees, then each warp over the warp totals): every thread gets the same bits. `shared`
+// holds blockDim.x / 32 values and is free again on return.
+template <class T>
+__device__ __forceinline__ T block_sum(T v, T* shared) {
   v = warp_sum(v);
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -62,7 +66,7 @@ __device__ __forceinline__ float block_sum(float v, float* shared) {
     shared[warp] = v;
   __syncthreads();
   const int warps = blockDim.x >> 5;
-  float total = lane < warps ? shared[lane] : 0.0f;
+  T total = lane < warps ? shared[lane] : T(0);
   total = warp_sum(total);
   __syncthreads();
   return total;

@@ -16,22 +16,6 @@ constexpr int sample_threads = 1024;
 constexpr int sample_warps = sample_threads / 32;
 static_assert(sample_warps == 32, "the scans take one warp total per lane");
 
-// Sum over the block in a fixed order (warp trees, then warp 0 over the warp totals):
-// the same bits every run. `shared` holds sample_warps doubles.
-__device__ double block_sum_d(double v, double* shared) {
-  for (int o = 16; o > 0; o >>= 1)
-    v += __shfl_xor_sync(0xffffffffu, v, o);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  __syncthreads(); // `shared` may still be read from a previous call
-  if (lane == 0)
-    shared[warp] = v;
-  __syncthreads();
-  double t = lane < sample_warps ? shared[lane] : 0.0;
-  for (int o = 16; o > 0; o >>= 1)
-    t += __shfl_xor_sync(0xffffffffu, t, o);
-  return t; // every thread
-}
-
 // Exclusive prefix over the threads of v (thread order), in a fixed order.
 __device__ double block_exclusive_scan_d(double v, double* shared) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -104,7 +88,7 @@ __global__ void __launch_bounds__(sample_threads)
   double sum = 0.0;
   for (i64 i = lo; i < hi; ++i)
     sum += exp(static_cast<double>(row[i]) * inv_t - mx);
-  const double total = block_sum_d(sum, dshared);
+  const double total = block_sum(sum, dshared);
   i64 token = arg;
   if (!greedy) {
     // cdf_i = the sum of exp(z_j) / total over j <= i; the token is the first id above u.
