@@ -107,6 +107,13 @@ TEST(GpuEngine, TensorCoreExpertsInEveryStepComputeWhatTheAtenPathComputes) {
                              {"REFIT_EXPERT_MMA_MAX_COPIES", "4096"}});
 }
 
+// The router from bf16 h with bf16 logits and the lm_head rounded to bf16 (the paths before the
+// split router and the fp32 logits).
+TEST(GpuEngine, FusedKernelsWithBf16RouterAndLogitsComputeWhatTheAtenPathComputes) {
+  REQUIRE_GPU();
+  expect_fused_matches_aten({{"REFIT_ROUTER_SPLIT", "0"}, {"REFIT_LOGITS_FP32", "0"}});
+}
+
 TEST(GpuEngine, Bf16LogitsTrackTheFp32ReferenceAndTheCpuEngine) {
   REQUIRE_GPU();
   const auto cfg = refit::testing::tiny_model();

@@ -15,47 +15,19 @@
 #include <vector>
 
 #include "gpu_fixture.hpp"
+#include "gpu_kernel_fixture.hpp"
 #include "runtime/bench/device_bucket.hpp"
 #include "runtime/cuda/cuda.hpp"
 #include "runtime/inference/torch_kernels.hpp"
 
 namespace {
 
-namespace cuda = refit::cuda;
 namespace kernels = refit::inference::kernels;
+using refit::testing::device_vec;
+using refit::testing::from_bf16;
+using refit::testing::random_bf16;
+using refit::testing::to_bf16;
 using i64 = std::int64_t;
-
-#define CUDA_OK(call) ASSERT_EQ((call), cudaSuccess) << #call
-
-std::uint16_t to_bf16(float f) { // round to nearest even, as __float2bfloat16
-  std::uint32_t u = 0;
-  std::memcpy(&u, &f, 4);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<std::uint16_t>(u >> 16);
-}
-
-float from_bf16(std::uint16_t b) {
-  const std::uint32_t u = std::uint32_t{b} << 16;
-  float f = 0;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-// `n` elements of T on cuda:0 (zeroed, freed with the object), or a copy of a host vector.
-template <class T>
-struct device_vec : cuda::device_array<T> {
-  explicit device_vec(std::size_t count) : cuda::device_array<T>(0, count, "test buffer") {}
-  explicit device_vec(const std::vector<T>& host) : cuda::device_array<T>(0, host, "test buffer") {}
-};
-
-std::vector<std::uint16_t> random_bf16(std::size_t n, std::uint32_t seed, float scale) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> u(-scale, scale);
-  std::vector<std::uint16_t> v(n);
-  for (auto& x : v)
-    x = to_bf16(u(rng));
-  return v;
-}
 
 // Routing of `tokens` tokens to `top_k` distinct experts each, skewed: expert 0 takes every
 // token, experts 1..3 most, the last quarter none, the rest at random (some once).
@@ -173,6 +145,52 @@ TEST(GpuMoeKernels, RouteTakesTheTopKWithTiesToTheLowerIdAsTheHostDoes) {
         EXPECT_EQ(got_ids[at], want) << "token " << t << " choice " << j;
         const double prob = p[static_cast<std::size_t>(want)] / sum / (renormalize ? kept : 1.0);
         EXPECT_NEAR(got_w[at], prob, 1e-5) << "token " << t << " choice " << j;
+      }
+    }
+  }
+}
+
+// The fp32 router of a split input: logit = hi + lo in float, where the hi parts alone tie in
+// runs and the lo parts break some ties and leave others (equal sums: the lower id).
+TEST(GpuMoeKernels, RouteF32AddsTheLowPartAndBreaksTiesToTheLowerId) {
+  REQUIRE_GPUS(1);
+  const int tokens = 4, experts = 128, top_k = 8;
+  std::vector<float> hi, lo;
+  for (int t = 0; t < tokens; ++t)
+    for (int e = 0; e < experts; ++e) {
+      hi.push_back(0.5f * float((e * 5) % (4 + t)));     // runs of equal values
+      lo.push_back(e % 3 == 0 ? 0.0f : 1e-4f * float(e % 7)); // breaks some of them
+    }
+  device_vec<float> d_hi(hi), d_lo(lo);
+  for (const bool with_lo : {false, true}) {
+    device_vec<i64> ids(static_cast<std::size_t>(tokens * top_k));
+    device_vec<float> weights(static_cast<std::size_t>(tokens * top_k));
+    kernels::route_f32(d_hi.p, with_lo ? d_lo.p : nullptr, tokens, experts, top_k, true, ids.p,
+                       weights.p, nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+    const auto got_ids = ids.host();
+    const auto got_w = weights.host();
+    for (int t = 0; t < tokens; ++t) {
+      std::vector<float> v(static_cast<std::size_t>(experts));
+      for (int e = 0; e < experts; ++e) {
+        const std::size_t at = static_cast<std::size_t>(t * experts + e);
+        v[static_cast<std::size_t>(e)] = with_lo ? hi[at] + lo[at] : hi[at];
+      }
+      std::vector<int> rank(static_cast<std::size_t>(experts));
+      std::iota(rank.begin(), rank.end(), 0);
+      std::stable_sort(rank.begin(), rank.end(), [&](int a, int b) {
+        return v[static_cast<std::size_t>(a)] > v[static_cast<std::size_t>(b)];
+      });
+      const double mx = v[static_cast<std::size_t>(rank[0])];
+      double kept = 0;
+      for (int j = 0; j < top_k; ++j)
+        kept += std::exp(double(v[static_cast<std::size_t>(rank[static_cast<std::size_t>(j)])]) - mx);
+      for (int j = 0; j < top_k; ++j) {
+        const std::size_t at = static_cast<std::size_t>(t * top_k + j);
+        const int want = rank[static_cast<std::size_t>(j)];
+        EXPECT_EQ(got_ids[at], want) << "token " << t << " choice " << j << " lo " << with_lo;
+        EXPECT_NEAR(got_w[at], std::exp(double(v[static_cast<std::size_t>(want)]) - mx) / kept,
+                    1e-5);
       }
     }
   }
@@ -358,6 +376,25 @@ TEST(GpuMoeKernels, DenseMmaMatchesTheHostReferenceAtEveryRowCountAndKSplit) {
                                  << " ksplit " << ks << " chunks " << chunks;
         }
       EXPECT_GE(runs, 6) << "rows " << sh.rows << " k " << sh.k << " m " << m;
+      // fp32 output (the router's logits): the accumulators themselves, no bf16 rounding (that
+      // alone would be ~4e-3 of a value).
+      for (const int chunks : {2, 1}) {
+        a.max_chunks = chunks;
+        a.y_f32 = true;
+        device_vec<float> d_yf(static_cast<std::size_t>(m) * sh.rows);
+        CUDA_OK(cudaMemset(d_yf.p, 0xff, d_yf.n * 4));
+        a.y = d_yf.p;
+        kernels::dense_mma(a, m, kernels::dense_mma_ksplit(a, m, 0), nullptr);
+        CUDA_OK(cudaDeviceSynchronize());
+        const auto yf = d_yf.host();
+        double worst = 0;
+        for (std::size_t i = 0; i < yf.size(); ++i) {
+          ASSERT_TRUE(std::isfinite(yf[i])) << "fp32 element " << i << " unwritten, m " << m;
+          worst = std::max(worst, std::abs(yf[i] - reference[i]) / (1.0 + std::abs(reference[i])));
+        }
+        EXPECT_LT(worst, 1e-4) << "fp32 output, rows " << sh.rows << " m " << m;
+        a.y_f32 = false;
+      }
       a.max_chunks = 4;
       const int automatic = kernels::dense_mma_ksplit(a, m, 0);
       EXPECT_TRUE(automatic == 1 || automatic == 2 || automatic == 4 || automatic == 8);

@@ -66,12 +66,21 @@
 #if __has_include(<ATen/ops/scaled_dot_product_attention.h>)
 #define REFIT_HAVE_SDPA 1
 #endif
+#if __has_include(<torch/version.h>)
+#include <torch/version.h>
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 9)
+#define REFIT_HAVE_MM_DTYPE 1 // at::mm(a, b, out_dtype): bf16 inputs, fp32 output (CUDA)
+#endif
+#endif
 
 namespace refit::inference {
 
 rank_forward* create_fast_forward(const rank_forward_options& options);
 
 namespace bf16 {
+
+// What the fused kernels' 16-byte loads need: contiguous bf16 from a 16-byte aligned address.
+bool streamable(const at::Tensor& t);
 
 // Step inputs, all int64 on the device. tokens/positions/src_row/write_block/write_slot: [n]
 // (n = tokens of the step); table: [B, W] block ids; lengths: [B] context lengths (decode).
@@ -180,6 +189,9 @@ private:
   // x [m, k] . w [n, k]^T: the engine's GEMV for the few rows of a decode step (bf16,
   // kernels::dense_gemv), else at::matmul.
   at::Tensor linear(const at::Tensor& x, const at::Tensor& w) const;
+  // The same with an fp32 output (fp32 accumulation, no bf16 rounding of y): dense_mma's fp32
+  // epilogue for few rows, cuBLAS with an fp32 output dtype above; on the device only.
+  at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w) const;
 
   at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) const;
 
@@ -223,8 +235,10 @@ private:
   // The routed experts of h, added into the residual stream x (after the TP all-reduce).
   // With next_norm (the next layer's input norm) the fused mix also returns RMSNorm(x) with
   // it; otherwise (or on the ATen path) an undefined tensor.
+  // router_in (may be undefined): [2n, H] bf16, h's rows then their rounding errors (lo), the
+  // router's input at about 16 mantissa bits (add_norm_bf16's split).
   at::Tensor experts(const layer_tensors& w, const at::Tensor& h, bool decode, at::Tensor& x,
-                     const at::Tensor* next_norm);
+                     const at::Tensor* next_norm, const at::Tensor& router_in);
   at::Tensor expert_projections(const layer_tensors& w, const at::Tensor& h, std::int64_t copies,
                                 const at::Tensor& chosen, const at::Tensor& counts,
                                 const at::Tensor& offsets, const at::Tensor& order,
@@ -236,8 +250,11 @@ private:
   // RMSNorm of fp32 x (contiguous [n, H]) to bf16.
   at::Tensor norm_bf16(const at::Tensor& x, const at::Tensor& w) const;
 
-  // add_residual(x, out), then norm_bf16(x, w): one kernel when fused and TP 1.
-  at::Tensor add_norm_bf16(at::Tensor& x, const at::Tensor& out, const at::Tensor& w);
+  // add_residual(x, out), then norm_bf16(x, w): one kernel when fused and TP 1. With split
+  // (fused, TP 1, router_split_) *split gets [2n, H]: the returned rows, then their bf16
+  // rounding errors.
+  at::Tensor add_norm_bf16(at::Tensor& x, const at::Tensor& out, const at::Tensor& w,
+                           at::Tensor* split = nullptr);
 
   // Decode attention of one layer through the fused kernels: q/k norm + RoPE + the K/V
   // writes, then attention over the paged cache.
@@ -313,6 +330,16 @@ private:
   // Draws without top-k / top-p in one kernel (kernels::sample_plain) instead of the ATen chain
   // (REFIT_FUSED_SAMPLING=0|1).
   std::int64_t fused_sampling_ = 1;
+  // The router from the post-attention norm split into two bf16 parts (hi + lo, one GEMM of 2n
+  // rows, fp32 logits) instead of from bf16 h with bf16 logits (REFIT_ROUTER_SPLIT=0|1): expert
+  // choices flip against the fp32 reference where two logits are closer than the rounding.
+  std::int64_t router_split_ = 1;
+  // The lm_head's logits in fp32 straight from the GEMM's accumulators instead of rounded to
+  // bf16 first (REFIT_LOGITS_FP32=0|1; needs at::mm's out_dtype, LibTorch >= 2.9).
+  std::int64_t logits_fp32_ = 1;
+  // Decode attention on the tensor cores (groups up to 8) instead of CUDA cores
+  // (REFIT_ATTENTION_MMA=0|1).
+  std::int64_t attention_mma_ = 1;
 #if defined(REFIT_TORCH_CUDA)
   std::optional<c10::cuda::CUDAStream> stream_;
   std::int64_t baseline_bytes_ = 0;

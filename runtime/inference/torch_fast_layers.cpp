@@ -9,47 +9,6 @@ at::Tensor fast_rank_forward::rms_norm(const at::Tensor& x, const at::Tensor& w)
   return x * at::rsqrt(variance + cfg_.rms_norm_eps) * w; // fp32 (w promoted)
 }
 
-// What the fused kernels' 16-byte loads need: contiguous bf16 from a 16-byte aligned address.
-[[maybe_unused]] static bool streamable(const at::Tensor& t) {
-  return t.is_contiguous() && t.scalar_type() == at::kBFloat16
-         && reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16 == 0;
-}
-
-// x [m, k] . w [n, k]^T: up to dense_gemv_max_rows_ (<= 8) rows the dense GEMV, up to
-// dense_mma_max_rows_ the tensor-core kernel (every weight row streamed once), else the ATen
-// GEMM (cuBLAS).
-at::Tensor fast_rank_forward::linear(const at::Tensor& x, const at::Tensor& w) const {
-#if defined(REFIT_TORCH_CUDA)
-  if (fused_ && x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && streamable(x)
-      && streamable(w)) {
-    const auto m = static_cast<int>(x.size(0));
-    if (x.size(0) <= dense_gemv_max_rows_
-        && kernels::dense_gemv_supported(x.size(0), x.size(1))) {
-      at::Tensor y = at::empty({x.size(0), w.size(0)}, bf_);
-      kernels::dense_gemv(x.data_ptr(), w.data_ptr(), y.data_ptr(), m,
-                          static_cast<int>(w.size(0)), static_cast<int>(x.size(1)), stream());
-      return y;
-    }
-    if (x.size(0) <= dense_mma_max_rows_) {
-      kernels::expert_mma_args a;
-      a.x = x.data_ptr();
-      a.w = w.data_ptr();
-      a.rows = static_cast<int>(w.size(0));
-      a.k = static_cast<int>(x.size(1));
-      a.max_chunks = static_cast<int>(mma_chunks_);
-      a.evict_first = mma_evict_first_ != 0;
-      if (const int ks = kernels::dense_mma_ksplit(a, m, 0); ks > 0) {
-        at::Tensor y = at::empty({x.size(0), w.size(0)}, bf_);
-        a.y = y.data_ptr();
-        kernels::dense_mma(a, m, ks, stream());
-        return y;
-      }
-    }
-  }
-#endif
-  return at::matmul(x, w.t());
-}
-
 at::Tensor fast_rank_forward::rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) const {
   const std::int64_t half = head_dim_ / 2;
   const at::Tensor x1 = x.narrow(-1, 0, half);
@@ -128,13 +87,20 @@ at::Tensor fast_rank_forward::model(const step_inputs& in, std::byte* kv_base, c
       attn = decode ? decode_attention(q, kc, vc, in) : prefill_attention(q, k, v, kc, vc, *items);
     }
     const at::Tensor out = linear(attn, w.o);
-    h = add_norm_bf16(x, out, w.post_norm);
+    at::Tensor router_in;
+    h = add_norm_bf16(x, out, w.post_norm, &router_in);
     const bool last = layer + 1 == cfg_.num_hidden_layers;
-    next = experts(w, h, decode, x, last ? nullptr : &layers_[layer + 1].input_norm);
+    next = experts(w, h, decode, x, last ? nullptr : &layers_[layer + 1].input_norm, router_in);
   }
 
   const at::Tensor xf = norm_bf16(x.index_select(0, picked).contiguous(), final_norm_);
-  at::Tensor local = at::matmul(xf, lm_head_.t()).to(at::kFloat);
+  at::Tensor local;
+#if defined(REFIT_HAVE_MM_DTYPE)
+  if (logits_fp32_ != 0 && xf.is_cuda() && xf.scalar_type() == at::kBFloat16)
+    local = at::mm(xf, lm_head_.t(), at::kFloat); // fp32 from the accumulators
+#endif
+  if (!local.defined())
+    local = at::matmul(xf, lm_head_.t()).to(at::kFloat);
   if (o_.tp == 1)
     return local.narrow(1, 0, std::int64_t{cfg_.vocab_size});
   const std::int64_t r = local.size(0);
@@ -294,16 +260,31 @@ at::Tensor fast_rank_forward::grouped(const at::Tensor& x, const at::Tensor& w, 
 
 // The routed experts of h, added into the residual stream x (after the TP all-reduce).
 at::Tensor fast_rank_forward::experts(const layer_tensors& w, const at::Tensor& h, bool decode,
-                                      at::Tensor& x, const at::Tensor* next_norm) {
+                                      at::Tensor& x, const at::Tensor* next_norm,
+                                      const at::Tensor& router_in) {
   const std::int64_t n = h.size(0);
-  const at::Tensor router_logits = linear(h, w.router); // bf16 [n, E]
   at::Tensor weights; // fp32 [n, k]
   at::Tensor chosen;  // int64 [n * k]
   [[maybe_unused]] const std::int64_t copies = n * top_k_;
   at::Tensor counts, offsets, order, src_token, inverse, active;
+  at::Tensor router_logits;
 #if defined(REFIT_TORCH_CUDA)
   const int ni = static_cast<int>(n), ei = static_cast<int>(experts_), ki = static_cast<int>(top_k_);
-  if (fused_ && kernels::route_supported(ei, ki)) {
+  if (fused_ && router_in.defined() && kernels::route_supported(ei, ki)) {
+    // hi . W + lo . W in fp32: one GEMM over the 2n stacked rows
+    const at::Tensor logits = linear_f32(router_in, w.router).contiguous(); // fp32 [2n, E]
+    at::Tensor ids = at::empty({n, top_k_}, i64_);
+    weights = at::empty({n, top_k_}, f32_);
+    kernels::route_f32(logits.data_ptr<float>(), logits.data_ptr<float>() + n * experts_, ni, ei,
+                       ki, cfg_.norm_topk_prob, ids.data_ptr<std::int64_t>(),
+                       weights.data_ptr<float>(), stream());
+    chosen = ids.reshape({-1});
+  }
+#endif
+  if (!chosen.defined())
+    router_logits = linear(h, w.router); // bf16 [n, E]
+#if defined(REFIT_TORCH_CUDA)
+  if (!chosen.defined() && fused_ && kernels::route_supported(ei, ki)) {
     at::Tensor ids = at::empty({n, top_k_}, i64_);
     weights = at::empty({n, top_k_}, f32_);
     kernels::route(router_logits.data_ptr(), ni, ei, ki, cfg_.norm_topk_prob,
@@ -497,16 +478,24 @@ at::Tensor fast_rank_forward::norm_bf16(const at::Tensor& x, const at::Tensor& w
   return rms_norm(x, w).to(at::kBFloat16);
 }
 
-at::Tensor fast_rank_forward::add_norm_bf16(at::Tensor& x, const at::Tensor& out, const at::Tensor& w) {
+at::Tensor fast_rank_forward::add_norm_bf16(at::Tensor& x, const at::Tensor& out, const at::Tensor& w,
+                                            at::Tensor* split) {
 #if defined(REFIT_TORCH_CUDA)
   if (fused_ && o_.tp == 1) {
-    at::Tensor normed = at::empty({x.size(0), x.size(1)}, bf_);
+    const std::int64_t n = x.size(0);
+    const bool two = split != nullptr && router_split_ != 0;
+    at::Tensor parts = at::empty({two ? 2 * n : n, x.size(1)}, bf_); // hi rows, then lo rows
+    const at::Tensor normed = parts.narrow(0, 0, n);
     kernels::add_rms_norm(x.data_ptr<float>(), out.data_ptr(), w.data_ptr(), normed.data_ptr(),
-                          static_cast<int>(x.size(0)), static_cast<int>(x.size(1)),
-                          static_cast<float>(cfg_.rms_norm_eps), stream());
+                          static_cast<int>(n), static_cast<int>(x.size(1)),
+                          static_cast<float>(cfg_.rms_norm_eps), stream(),
+                          two ? parts.narrow(0, n, n).data_ptr() : nullptr);
+    if (two)
+      *split = parts;
     return normed;
   }
 #endif
+  (void)split;
   add_residual(x, out);
   return norm_bf16(x, w);
 }
@@ -544,7 +533,8 @@ at::Tensor fast_rank_forward::fused_decode_layer_attention(const at::Tensor& qkv
                             in.lengths.data_ptr<std::int64_t>(), out.data_ptr(),
                             splits > 1 ? partial.data_ptr<float>() : nullptr, splits,
                             static_cast<int>(n), static_cast<int>(q_heads_),
-                            static_cast<int>(kv_heads_), static_cast<int>(head_dim_), stream());
+                            static_cast<int>(kv_heads_), static_cast<int>(head_dim_), stream(),
+                            attention_mma_ != 0);
   return out;
 #else
   (void)qkv, (void)w, (void)in, (void)kv_base, (void)layer;

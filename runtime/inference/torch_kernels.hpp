@@ -1,5 +1,5 @@
-// Fused CUDA kernels of the bf16 engine (torch_kernels.cu: norms, q/k, attention;
-// torch_kernels_moe.cu: the MoE; built into the LibTorch module in REFIT_CUDA builds only). Plain pointers and a cudaStream_t (as void*): no LibTorch here.
+// Fused CUDA kernels of the bf16 engine (torch_kernels.cu: norms, q/k, dense GEMV;
+// torch_kernels_attention.cu: decode attention; torch_kernels_moe.cu: the MoE; built into the LibTorch module in REFIT_CUDA builds only). Plain pointers and a cudaStream_t (as void*): no LibTorch here.
 // Every kernel replaces a chain of ATen ops of torch_fast_forward.cpp with the same arithmetic
 // (fp32 math, bf16 storage), so a decode step launches 14 kernels per layer instead of ~100.
 //
@@ -12,9 +12,10 @@ namespace refit::inference::kernels {
 
 // out[r] = bf16(x[r] * rsqrt(mean(x[r]^2) + eps) * w), x fp32 [rows, n], w bf16 [n].
 void rms_norm(const float* x, const void* w, void* out, int rows, int n, float eps, void* stream);
-// x[r] += bf16 y[r], then out[r] = RMSNorm(x[r]) as rms_norm (the residual add and the next norm).
+// x[r] += bf16 y[r], then out[r] = RMSNorm(x[r]) as rms_norm (the residual add and the next norm);
+// with lo (bf16 [rows, n], may be null) also lo[r] = bf16(normed - out[r]), its rounding error.
 void add_rms_norm(float* x, const void* y, const void* w, void* out, int rows, int n, float eps,
-                  void* stream);
+                  void* stream, void* lo = nullptr);
 
 struct kv_target {
   void* base = nullptr;            // the arena
@@ -49,19 +50,24 @@ void set_programmatic_launch(bool on);
 // partial results (partial: fp32 [b, hq, splits, d + 2]) merged by a second kernel; splits 1
 // needs no partial buffer and no merge. decode_attention_splits(b, hkv) is the count for batch
 // b on the current device (~2 blocks per SM, at most max_attention_splits): it depends only on
-// b, so a CUDA graph captured at b splits as the eager step does.
+// b, so a CUDA graph captured at b splits as the eager step does. tensor_cores: the mma kernel
+// for groups up to 8 (torch_kernels_attention.cu), else (and for group 16) the CUDA-core one.
 inline constexpr int max_attention_splits = 16;
 bool decode_attention_supported(int d, int group);
 int decode_attention_splits(int b, int hkv);
 void decode_attention(const void* q, kv_target kv, const std::int64_t* table, int width,
                       const std::int64_t* lengths, void* out, float* partial, int splits, int b,
-                      int hq, int hkv, int d, void* stream);
+                      int hq, int hkv, int d, void* stream, bool tensor_cores = true);
 
 // Router: logits bf16 [n, e] -> softmax (fp32) -> the top_k experts (ties: lower id), their
 // probabilities renormalized when `renormalize`: ids int64 [n, top_k], weights fp32 [n, top_k].
 bool route_supported(int experts, int top_k);
 void route(const void* logits, int n, int experts, int top_k, bool renormalize,
            std::int64_t* ids, float* weights, void* stream);
+// The same from fp32 logits [n, e], plus lo fp32 [n, e] when not null (logit = logits + lo: the
+// router applied to the two bf16 parts of its input, hi + lo).
+void route_f32(const float* logits, const float* lo, int n, int experts, int top_k,
+               bool renormalize, std::int64_t* ids, float* weights, void* stream);
 
 // Counting sort of the n * top_k routed copies by expert, stable in flat index order:
 // counts int64 [e], offsets int32 [e] (cumulative ends), order int64 [m] (sorted position ->
@@ -131,14 +137,16 @@ struct expert_mma_args {
   bool glu = false;
   int max_chunks = 4;
   bool evict_first = true; // the weight stream's L2 policy: evict-first, else normal
+  bool y_f32 = false;       // dense mode only: y fp32 instead of bf16
 };
 bool expert_mma_supported(const expert_mma_args& args);
 int expert_mma_ksplit(const expert_mma_args& args, int copies, int experts, int wanted);
 void expert_mma(const expert_mma_args& args, int copies, int experts, int ksplit, void* stream);
 
-// A dense projection of a few rows on the same kernel: y bf16 [m, rows] = x bf16 [m, k] .
-// w bf16 [rows, k]^T for 1 <= m <= dense_mma_max_rows, every weight row streamed once (args:
-// x, w, y, rows, k, max_chunks, evict_first; glu false; x_rows and the bucket lists unused).
+// A dense projection of a few rows on the same kernel: y bf16 (fp32 with y_f32) [m, rows] =
+// x bf16 [m, k] . w bf16 [rows, k]^T for 1 <= m <= dense_mma_max_rows, every weight row streamed
+// once (args: x, w, y, rows, k, max_chunks, evict_first, y_f32; glu false; x_rows and the bucket
+// lists unused).
 // dense_mma_ksplit: the k-split (about one wave of blocks), `wanted` checked; 0: no fit.
 constexpr int dense_mma_max_rows = 64;
 int dense_mma_ksplit(const expert_mma_args& args, int m, int wanted);

@@ -82,8 +82,11 @@ __device__ __forceinline__ void unpack8(const uint4& v, float* out) {
 
 // RMSNorm of one fp32 row already in global memory (written by this thread for the columns it
 // owns: `vec` columns of 4 per thread when n % 4 == 0, else one by one) to bf16 out.
+// o = bf16(row * rsqrt(mean(ss) + eps) * w); with lo, also lo = bf16(value - o): the rounding
+// error, so that o + lo carries the normed row to about 16 mantissa bits (the router's input).
 __device__ __forceinline__ void norm_row(const float* row, const bf16* w, bf16* o, int n,
-                                         float eps, float ss, float* shared) {
+                                         float eps, float ss, float* shared,
+                                         bf16* lo = nullptr) {
   ss = block_sum(ss, shared);
   const float r = rsqrtf(ss / static_cast<float>(n) + eps);
   if ((n & 3) == 0) {
@@ -91,13 +94,23 @@ __device__ __forceinline__ void norm_row(const float* row, const bf16* w, bf16* 
       const float4 v = *reinterpret_cast<const float4*>(row + c);
       const uint2 wv = *reinterpret_cast<const uint2*>(w + c);
       const bf16* wb = reinterpret_cast<const bf16*>(&wv);
-      __align__(8) bf16 ob[4] = {to_bf(v.x * r * to_f(wb[0])), to_bf(v.y * r * to_f(wb[1])),
-                                 to_bf(v.z * r * to_f(wb[2])), to_bf(v.w * r * to_f(wb[3]))};
+      const float f[4] = {v.x * r * to_f(wb[0]), v.y * r * to_f(wb[1]), v.z * r * to_f(wb[2]),
+                          v.w * r * to_f(wb[3])};
+      __align__(8) bf16 ob[4] = {to_bf(f[0]), to_bf(f[1]), to_bf(f[2]), to_bf(f[3])};
       *reinterpret_cast<uint2*>(o + c) = *reinterpret_cast<const uint2*>(ob);
+      if (lo != nullptr) {
+        __align__(8) bf16 lb[4] = {to_bf(f[0] - to_f(ob[0])), to_bf(f[1] - to_f(ob[1])),
+                                   to_bf(f[2] - to_f(ob[2])), to_bf(f[3] - to_f(ob[3]))};
+        *reinterpret_cast<uint2*>(lo + c) = *reinterpret_cast<const uint2*>(lb);
+      }
     }
   } else {
-    for (int c = threadIdx.x; c < n; c += blockDim.x)
-      o[c] = to_bf(row[c] * r * to_f(w[c]));
+    for (int c = threadIdx.x; c < n; c += blockDim.x) {
+      const float f = row[c] * r * to_f(w[c]);
+      o[c] = to_bf(f);
+      if (lo != nullptr)
+        lo[c] = to_bf(f - to_f(o[c]));
+    }
   }
 }
 
@@ -122,6 +135,18 @@ inline int multiprocessors() {
   if (device >= 0 && device < cached_devices)
     cached[device].store(sms);
   return sms;
+}
+
+// D += A (16 x 16, row) . B (16 x 8, col), bf16 in, fp32 accumulate. Thread (g = lane / 4,
+// t = lane % 4) holds a0/a2: row g, columns 2t..2t+1 / 2t+8..2t+9, a1/a3 the same of row g+8;
+// b0/b1: rows 2t..2t+1 / 2t+8..2t+9 of column g; d0, d1: row g, columns 2t, 2t+1; d2, d3: row
+// g+8.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], unsigned a0, unsigned a1, unsigned a2,
+                                         unsigned a3, unsigned b0, unsigned b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 // ---- programmatic dependent launch (sm_90) --------------------------------------------------

@@ -21,18 +21,6 @@ constexpr int mma_max_ksplit = 8;
 template <int TT>
 constexpr int mma_reduce_floats = (mma_max_ksplit - 1) * TT * 32 * 4;
 
-// D += A (16 x 16, row) . B (16 x 8, col), bf16 in, fp32 accumulate. Thread (g = lane / 4,
-// t = lane % 4) holds a0/a2: row g, columns 2t..2t+1 / 2t+8..2t+9, a1/a3 the same of row g+8;
-// b0/b1: rows 2t..2t+1 / 2t+8..2t+9 of column g; d0, d1: row g, columns 2t, 2t+1; d2, d3: row
-// g+8.
-__device__ __forceinline__ void mma_bf16(float (&d)[4], unsigned a0, unsigned a1, unsigned a2,
-                                         unsigned a3, unsigned b0, unsigned b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // An L2 policy for the weight stream: evict-first (the weights are read once; the token rows,
 // read by every block of an expert, stay) or normal.
 __device__ __forceinline__ unsigned long long stream_policy(bool evict_first) {
@@ -107,10 +95,12 @@ __global__ void __launch_bounds__(mma_warps * 32, CH >= 4 ? 1 : 2)
   expert_mma_kernel(const bf16* __restrict__ x, const i64* __restrict__ x_rows,
                     const bf16* __restrict__ w, const int* __restrict__ active,
                     const int* __restrict__ active_count, const i64* __restrict__ counts,
-                    const int* __restrict__ offsets, bf16* __restrict__ y, int rows, int k,
-                    int ksplit, bool evict_first, int dense_count) {
+                    const int* __restrict__ offsets, void* __restrict__ y_out, int rows,
+                    int k, int ksplit, bool evict_first, int dense_count, bool y_f32) {
   pdl_enter();
   __shared__ float partial[mma_reduce_floats<TT>];
+  bf16* y = static_cast<bf16*>(y_out);
+  float* yf = static_cast<float*>(y_out); // y_f32 (dense, no GLU)
   int e = 0, count = dense_count, first = 0;
   if (dense_count == 0) {
     if (static_cast<int>(blockIdx.y) >= *active_count)
@@ -195,6 +185,9 @@ __global__ void __launch_bounds__(mma_warps * 32, CH >= 4 ? 1 : 2)
           const i64 p = first + token;
           if (GLU) {
             y[p * cols + tile * 8 + g] = to_bf(silu(acc[tt][j]) * acc[tt][2 + j]);
+          } else if (y_f32) {
+            yf[p * cols + ra] = acc[tt][j];
+            yf[p * cols + rb] = acc[tt][2 + j];
           } else {
             y[p * cols + ra] = to_bf(acc[tt][j]);
             y[p * cols + rb] = to_bf(acc[tt][2 + j]);
@@ -237,7 +230,7 @@ void launch_mma(const expert_mma_args& a, int ksplit, int grid_y, int dense_coun
   launch(dense_count > 0 ? "dense_mma" : "expert_mma", expert_mma_kernel<CH, GLU, TT>, grid,
          dim3(mma_warps * 32), s, static_cast<const bf16*>(a.x), a.x_rows,
          static_cast<const bf16*>(a.w), a.active, a.active_count, a.counts, a.offsets,
-         static_cast<bf16*>(a.y), a.rows, a.k, ksplit, a.evict_first, dense_count);
+         a.y, a.rows, a.k, ksplit, a.evict_first, dense_count, a.y_f32 && dense_count > 0);
 }
 
 template <bool GLU, int TT>

@@ -17,15 +17,17 @@ constexpr int max_bucket_experts = 1024;
 // ----------------------------------------------------------------------- routing
 
 // One warp routes one token: softmax over the experts (fp32), top_k by repeated warp arg-max
-// (ties: lower id), renormalized when asked; lane 0 writes ids / weights.
-__device__ void route_token(const bf16* __restrict__ logits, int token, int experts, int top_k,
-                            bool renormalize, i64* __restrict__ ids, float* __restrict__ weights) {
+// (ties: lower id), renormalized when asked; lane 0 writes ids / weights. logit(token, e): the
+// router's logit as a float.
+template <class Logit>
+__device__ void route_token(Logit logit, int token, int experts, int top_k, bool renormalize,
+                            i64* __restrict__ ids, float* __restrict__ weights) {
   const int lane = threadIdx.x & 31;
   float v[max_experts_per_lane];
   float mx = -INFINITY;
   for (int j = 0; j < max_experts_per_lane; ++j) {
     const int e = lane + 32 * j;
-    v[j] = e < experts ? to_f(logits[static_cast<i64>(token) * experts + e]) : -INFINITY;
+    v[j] = e < experts ? logit(token, e) : -INFINITY;
     mx = fmaxf(mx, v[j]);
   }
   mx = warp_max(mx);
@@ -69,7 +71,24 @@ __global__ void route_kernel(const bf16* __restrict__ logits, int n, int experts
   pdl_enter();
   const int token = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   if (token < n)
-    route_token(logits, token, experts, top_k, renormalize, ids, weights);
+    route_token([&](int t, int e) { return to_f(logits[static_cast<i64>(t) * experts + e]); },
+                token, experts, top_k, renormalize, ids, weights);
+}
+
+// fp32 logits, plus a second part (lo, may be null) added to them: the router of the split
+// input hi + lo.
+__global__ void route_f32_kernel(const float* __restrict__ logits, const float* __restrict__ lo,
+                                 int n, int experts, int top_k, bool renormalize,
+                                 i64* __restrict__ ids, float* __restrict__ weights) {
+  pdl_enter();
+  const int token = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  if (token < n)
+    route_token(
+      [&](int t, int e) {
+        const i64 at = static_cast<i64>(t) * experts + e;
+        return lo != nullptr ? logits[at] + lo[at] : logits[at];
+      },
+      token, experts, top_k, renormalize, ids, weights);
 }
 
 // ----------------------------------------------------------------- bucket by expert
@@ -283,6 +302,14 @@ void route(const void* logits, int n, int experts, int top_k, bool renormalize,
   const int blocks = (n * 32 + threads - 1) / threads;
   launch("route", route_kernel, dim3(blocks), dim3(threads), as_stream(stream),
          static_cast<const bf16*>(logits), n, experts, top_k, renormalize, ids, weights);
+}
+
+void route_f32(const float* logits, const float* lo, int n, int experts, int top_k,
+               bool renormalize, std::int64_t* ids, float* weights, void* stream) {
+  const int threads = 256;
+  const int blocks = (n * 32 + threads - 1) / threads;
+  launch("route", route_f32_kernel, dim3(blocks), dim3(threads), as_stream(stream), logits, lo, n,
+         experts, top_k, renormalize, ids, weights);
 }
 
 bool bucket_supported(int copies, int experts) {
