@@ -107,11 +107,15 @@ TEST(GpuEngine, TensorCoreExpertsInEveryStepComputeWhatTheAtenPathComputes) {
                              {"REFIT_EXPERT_MMA_MAX_COPIES", "4096"}});
 }
 
-// The router from bf16 h with bf16 logits and the lm_head rounded to bf16 (the paths before the
-// split router and the fp32 logits).
-TEST(GpuEngine, FusedKernelsWithBf16RouterAndLogitsComputeWhatTheAtenPathComputes) {
+// The router from bf16 h with bf16 logits, the lm_head, o_proj and the experts' down rounded to
+// bf16, attention on CUDA cores (the paths before the split router, the fp32 outputs and the
+// tensor-core attention).
+TEST(GpuEngine, FusedKernelsWithBf16OutputsAndCudaCoreAttentionComputeWhatTheAtenPathComputes) {
   REQUIRE_GPU();
-  expect_fused_matches_aten({{"REFIT_ROUTER_SPLIT", "0"}, {"REFIT_LOGITS_FP32", "0"}});
+  expect_fused_matches_aten({{"REFIT_ROUTER_SPLIT", "0"},
+                             {"REFIT_LOGITS_FP32", "0"},
+                             {"REFIT_RESIDUAL_FP32", "0"},
+                             {"REFIT_ATTENTION_MMA", "0"}});
 }
 
 TEST(GpuEngine, Bf16LogitsTrackTheFp32ReferenceAndTheCpuEngine) {

@@ -107,6 +107,7 @@ fast_rank_forward::fast_rank_forward(const rank_forward_options& o)
   fused_sampling_ = choice_knob("REFIT_FUSED_SAMPLING", {"0", "1"}, fused_sampling_);
   router_split_ = choice_knob("REFIT_ROUTER_SPLIT", {"0", "1"}, router_split_);
   logits_fp32_ = choice_knob("REFIT_LOGITS_FP32", {"0", "1"}, logits_fp32_);
+  residual_fp32_ = choice_knob("REFIT_RESIDUAL_FP32", {"0", "1"}, residual_fp32_);
   attention_mma_ = choice_knob("REFIT_ATTENTION_MMA", {"0", "1"}, attention_mma_);
   dense_gemv_max_rows_ = count_knob("REFIT_DENSE_GEMV_MAX_ROWS", dense_gemv_max_rows_, "rows", 8);
   dense_mma_max_rows_ = count_knob("REFIT_DENSE_MMA_MAX_ROWS", dense_mma_max_rows_, "rows", 64);

@@ -236,7 +236,8 @@ private:
   // With next_norm (the next layer's input norm) the fused mix also returns RMSNorm(x) with
   // it; otherwise (or on the ATen path) an undefined tensor.
   // router_in (may be undefined): [2n, H] bf16, h's rows then their rounding errors (lo), the
-  // router's input at about 16 mantissa bits (add_norm_bf16's split).
+  // router's input at about 16 mantissa bits (add_norm_bf16's split), or fp32 [n, H] (the ATen
+  // path: the norm before its bf16 rounding).
   at::Tensor experts(const layer_tensors& w, const at::Tensor& h, bool decode, at::Tensor& x,
                      const at::Tensor* next_norm, const at::Tensor& router_in);
   at::Tensor expert_projections(const layer_tensors& w, const at::Tensor& h, std::int64_t copies,
@@ -251,8 +252,8 @@ private:
   at::Tensor norm_bf16(const at::Tensor& x, const at::Tensor& w) const;
 
   // add_residual(x, out), then norm_bf16(x, w): one kernel when fused and TP 1. With split
-  // (fused, TP 1, router_split_) *split gets [2n, H]: the returned rows, then their bf16
-  // rounding errors.
+  // (router_split_) *split gets the router's input: fused at TP 1 bf16 [2n, H], the returned
+  // rows then their rounding errors; else the fp32 norm [n, H].
   at::Tensor add_norm_bf16(at::Tensor& x, const at::Tensor& out, const at::Tensor& w,
                            at::Tensor* split = nullptr);
 
@@ -337,6 +338,9 @@ private:
   // The lm_head's logits in fp32 straight from the GEMM's accumulators instead of rounded to
   // bf16 first (REFIT_LOGITS_FP32=0|1; needs at::mm's out_dtype, LibTorch >= 2.9).
   std::int64_t logits_fp32_ = 1;
+  // o_proj and the routed experts' down projection leave their fp32 accumulators into the fp32
+  // residual stream instead of bf16 (fused kernels, TP 1; REFIT_RESIDUAL_FP32=0|1).
+  std::int64_t residual_fp32_ = 1;
   // Decode attention on the tensor cores (groups up to 8) instead of CUDA cores
   // (REFIT_ATTENTION_MMA=0|1).
   std::int64_t attention_mma_ = 1;

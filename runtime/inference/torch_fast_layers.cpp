@@ -86,7 +86,9 @@ at::Tensor fast_rank_forward::model(const step_inputs& in, std::byte* kv_base, c
       vc.index_put_({in.write_block, in.write_slot}, v_src);
       attn = decode ? decode_attention(q, kc, vc, in) : prefill_attention(q, k, v, kc, vc, *items);
     }
-    const at::Tensor out = linear(attn, w.o);
+    // fp32 into the fp32 residual where the fused add takes it: no bf16 rounding of o_proj
+    const bool fp32_out = fused_ && o_.tp == 1 && residual_fp32_ != 0;
+    const at::Tensor out = fp32_out ? linear_f32(attn, w.o) : linear(attn, w.o);
     at::Tensor router_in;
     h = add_norm_bf16(x, out, w.post_norm, &router_in);
     const bool last = layer + 1 == cfg_.num_hidden_layers;
@@ -267,22 +269,31 @@ at::Tensor fast_rank_forward::experts(const layer_tensors& w, const at::Tensor& 
   at::Tensor chosen;  // int64 [n * k]
   [[maybe_unused]] const std::int64_t copies = n * top_k_;
   at::Tensor counts, offsets, order, src_token, inverse, active;
+  // The router's logits: fp32 from router_in (bf16 [2n, H]: hi . W + lo . W, one GEMM over the
+  // stacked rows; fp32 [n, H] on the ATen path), else bf16 from h.
   at::Tensor router_logits;
+  bool two_parts = false;
+  if (router_in.defined() && router_in.scalar_type() == at::kFloat) {
+    router_logits = at::matmul(router_in, w.router.to(at::kFloat).t());
+  } else if (router_in.defined()) {
+    router_logits = linear_f32(router_in, w.router).contiguous();
+    two_parts = true;
+  } else {
+    router_logits = linear(h, w.router);
+  }
 #if defined(REFIT_TORCH_CUDA)
   const int ni = static_cast<int>(n), ei = static_cast<int>(experts_), ki = static_cast<int>(top_k_);
-  if (fused_ && router_in.defined() && kernels::route_supported(ei, ki)) {
-    // hi . W + lo . W in fp32: one GEMM over the 2n stacked rows
-    const at::Tensor logits = linear_f32(router_in, w.router).contiguous(); // fp32 [2n, E]
+  if (fused_ && router_logits.scalar_type() == at::kFloat && kernels::route_supported(ei, ki)) {
     at::Tensor ids = at::empty({n, top_k_}, i64_);
     weights = at::empty({n, top_k_}, f32_);
-    kernels::route_f32(logits.data_ptr<float>(), logits.data_ptr<float>() + n * experts_, ni, ei,
-                       ki, cfg_.norm_topk_prob, ids.data_ptr<std::int64_t>(),
-                       weights.data_ptr<float>(), stream());
+    const float* l = router_logits.data_ptr<float>();
+    kernels::route_f32(l, two_parts ? l + n * experts_ : nullptr, ni, ei, ki, cfg_.norm_topk_prob,
+                       ids.data_ptr<std::int64_t>(), weights.data_ptr<float>(), stream());
     chosen = ids.reshape({-1});
   }
 #endif
-  if (!chosen.defined())
-    router_logits = linear(h, w.router); // bf16 [n, E]
+  if (two_parts && !chosen.defined())
+    router_logits = router_logits.narrow(0, 0, n) + router_logits.narrow(0, n, n);
 #if defined(REFIT_TORCH_CUDA)
   if (!chosen.defined() && fused_ && kernels::route_supported(ei, ki)) {
     at::Tensor ids = at::empty({n, top_k_}, i64_);
@@ -348,7 +359,8 @@ at::Tensor fast_rank_forward::experts(const layer_tensors& w, const at::Tensor& 
                          static_cast<int>(hidden_),
                          next_norm != nullptr ? next_norm->data_ptr() : nullptr,
                          next_norm != nullptr ? normed.data_ptr() : nullptr,
-                         static_cast<float>(cfg_.rms_norm_eps), stream());
+                         static_cast<float>(cfg_.rms_norm_eps), stream(),
+                         ys.scalar_type() == at::kFloat);
     return normed;
   }
 #endif
@@ -397,8 +409,10 @@ at::Tensor fast_rank_forward::expert_projections(const layer_tensors& w, const a
     const int ks_up = kernels::expert_mma_ksplit(up, c, e, wanted); // 0: the shape does not fit
     const int ks_down = kernels::expert_mma_ksplit(down, c, e, wanted);
     if (ks_up > 0 && ks_down > 0) {
+      // down in fp32 where the fused mix adds it into the residual (TP 1): no bf16 rounding
+      down.y_f32 = o_.tp == 1 && residual_fp32_ != 0;
       at::Tensor act = at::empty({copies, inter_}, bf_);
-      at::Tensor ys = at::empty({copies, w.w2.size(1)}, bf_);
+      at::Tensor ys = at::empty({copies, w.w2.size(1)}, down.y_f32 ? f32_ : bf_);
       up.y = act.data_ptr();
       down.x = act.data_ptr();
       down.y = ys.data_ptr();
@@ -489,14 +503,18 @@ at::Tensor fast_rank_forward::add_norm_bf16(at::Tensor& x, const at::Tensor& out
     kernels::add_rms_norm(x.data_ptr<float>(), out.data_ptr(), w.data_ptr(), normed.data_ptr(),
                           static_cast<int>(n), static_cast<int>(x.size(1)),
                           static_cast<float>(cfg_.rms_norm_eps), stream(),
-                          two ? parts.narrow(0, n, n).data_ptr() : nullptr);
+                          two ? parts.narrow(0, n, n).data_ptr() : nullptr,
+                          out.scalar_type() == at::kFloat);
     if (two)
       *split = parts;
     return normed;
   }
 #endif
-  (void)split;
   add_residual(x, out);
+  if (split != nullptr && router_split_ != 0) { // the router takes the fp32 norm itself
+    *split = rms_norm(x, w);
+    return split->to(at::kBFloat16);
+  }
   return norm_bf16(x, w);
 }
 

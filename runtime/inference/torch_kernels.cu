@@ -34,23 +34,32 @@ __global__ void rms_norm_kernel(const float* __restrict__ x, const bf16* __restr
 }
 
 // x[r] += y[r] (bf16), then out[r] = RMSNorm(x[r]): the residual add and the next norm.
-__global__ void add_rms_norm_kernel(float* __restrict__ x, const bf16* __restrict__ y,
+template <class Y>
+__global__ void add_rms_norm_kernel(float* __restrict__ x, const Y* __restrict__ y,
                                     const bf16* __restrict__ w, bf16* __restrict__ out, int n,
                                     float eps, bf16* __restrict__ lo) {
   pdl_enter();
   __shared__ float shared[32];
   float* row = x + static_cast<i64>(blockIdx.x) * n;
-  const bf16* yr = y + static_cast<i64>(blockIdx.x) * n;
+  const Y* yr = y + static_cast<i64>(blockIdx.x) * n;
   float ss = 0.0f;
   if ((n & 3) == 0) {
     for (int c = threadIdx.x * 4; c < n; c += blockDim.x * 4) {
       float4 v = *reinterpret_cast<const float4*>(row + c);
-      const uint2 yv = *reinterpret_cast<const uint2*>(yr + c);
-      const bf16* yb = reinterpret_cast<const bf16*>(&yv);
-      v.x += to_f(yb[0]);
-      v.y += to_f(yb[1]);
-      v.z += to_f(yb[2]);
-      v.w += to_f(yb[3]);
+      float yv[4];
+      if constexpr (sizeof(Y) == 4) {
+        const float4 f = *reinterpret_cast<const float4*>(yr + c);
+        yv[0] = f.x, yv[1] = f.y, yv[2] = f.z, yv[3] = f.w;
+      } else {
+        const uint2 u = *reinterpret_cast<const uint2*>(yr + c);
+        const bf16* yb = reinterpret_cast<const bf16*>(&u);
+        for (int i = 0; i < 4; ++i)
+          yv[i] = to_f(yb[i]);
+      }
+      v.x += yv[0];
+      v.y += yv[1];
+      v.z += yv[2];
+      v.w += yv[3];
       *reinterpret_cast<float4*>(row + c) = v;
       ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
     }
@@ -146,10 +155,15 @@ void rms_norm(const float* x, const void* w, void* out, int rows, int n, float e
 }
 
 void add_rms_norm(float* x, const void* y, const void* w, void* out, int rows, int n, float eps,
-                  void* stream, void* lo) {
-  launch("add_rms_norm", add_rms_norm_kernel, dim3(rows), dim3(256), as_stream(stream), x,
-         static_cast<const bf16*>(y), static_cast<const bf16*>(w), static_cast<bf16*>(out), n, eps,
-         static_cast<bf16*>(lo));
+                  void* stream, void* lo, bool y_f32) {
+  if (y_f32)
+    launch("add_rms_norm", add_rms_norm_kernel<float>, dim3(rows), dim3(256), as_stream(stream),
+           x, static_cast<const float*>(y), static_cast<const bf16*>(w), static_cast<bf16*>(out),
+           n, eps, static_cast<bf16*>(lo));
+  else
+    launch("add_rms_norm", add_rms_norm_kernel<bf16>, dim3(rows), dim3(256), as_stream(stream),
+           x, static_cast<const bf16*>(y), static_cast<const bf16*>(w), static_cast<bf16*>(out),
+           n, eps, static_cast<bf16*>(lo));
 }
 
 void qk_norm_rope_write(const void* qkv, const void* q_norm, const void* k_norm,

@@ -12,10 +12,11 @@ namespace refit::inference::kernels {
 
 // out[r] = bf16(x[r] * rsqrt(mean(x[r]^2) + eps) * w), x fp32 [rows, n], w bf16 [n].
 void rms_norm(const float* x, const void* w, void* out, int rows, int n, float eps, void* stream);
-// x[r] += bf16 y[r], then out[r] = RMSNorm(x[r]) as rms_norm (the residual add and the next norm);
-// with lo (bf16 [rows, n], may be null) also lo[r] = bf16(normed - out[r]), its rounding error.
+// x[r] += y[r] (bf16, fp32 with y_f32), then out[r] = RMSNorm(x[r]) as rms_norm (the residual
+// add and the next norm); with lo (bf16 [rows, n], may be null) also lo[r] = bf16(normed -
+// out[r]), its rounding error.
 void add_rms_norm(float* x, const void* y, const void* w, void* out, int rows, int n, float eps,
-                  void* stream, void* lo = nullptr);
+                  void* stream, void* lo = nullptr, bool y_f32 = false);
 
 struct kv_target {
   void* base = nullptr;            // the arena
@@ -137,7 +138,7 @@ struct expert_mma_args {
   bool glu = false;
   int max_chunks = 4;
   bool evict_first = true; // the weight stream's L2 policy: evict-first, else normal
-  bool y_f32 = false;       // dense mode only: y fp32 instead of bf16
+  bool y_f32 = false;       // no GLU: y fp32 instead of bf16
 };
 bool expert_mma_supported(const expert_mma_args& args);
 int expert_mma_ksplit(const expert_mma_args& args, int copies, int experts, int wanted);
@@ -164,11 +165,11 @@ void sample_plain(const float* logits, std::int64_t vocab, std::int64_t row_stri
 // act bf16 [m, i] = silu(gate) * up of gate_up bf16 [m, 2i] (fp32 math).
 void silu_mul(const void* gate_up, void* act, std::int64_t m, int i, void* stream);
 
-// x fp32 [n, h] += sum_j weights[t, j] * y[inverse[t * top_k + j]] (y bf16 [n * top_k, h]);
-// then, when norm_w is given, norm_out bf16 [n, h] = RMSNorm(x) with norm_w (the next norm).
+// x fp32 [n, h] += sum_j weights[t, j] * y[inverse[t * top_k + j]] (y bf16 [n * top_k, h], fp32
+// with y_f32); then, when norm_w is given, norm_out bf16 [n, h] = RMSNorm(x) with norm_w.
 void mix_experts(const void* y, const std::int64_t* inverse, const float* weights, float* x,
                  int n, int top_k, int h, const void* norm_w, void* norm_out, float eps,
-                 void* stream);
+                 void* stream, bool y_f32 = false);
 
 // x fp32 [n, h] += bf16 y [n, h].
 void add_bf16(float* x, const void* y, std::int64_t elements, void* stream);

@@ -26,6 +26,7 @@ inline void check(const char* what) {
 }
 
 __device__ __forceinline__ float to_f(bf16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_f(float v) { return v; }
 __device__ __forceinline__ bf16 to_bf(float v) { return __float2bfloat16(v); }
 
 template <class T>
@@ -78,6 +79,17 @@ __device__ __forceinline__ void unpack8(const uint4& v, float* out) {
 #pragma unroll
   for (int j = 0; j < 8; ++j)
     out[j] = to_f(b[j]);
+}
+
+// Eight consecutive values as floats: one 16-byte load of bf16, two of fp32.
+__device__ __forceinline__ void load8(const bf16* p, float* out) {
+  unpack8(*reinterpret_cast<const uint4*>(p), out);
+}
+__device__ __forceinline__ void load8(const float* p, float* out) {
+  const float4 a = *reinterpret_cast<const float4*>(p);
+  const float4 b = *reinterpret_cast<const float4*>(p + 4);
+  out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w;
+  out[4] = b.x, out[5] = b.y, out[6] = b.z, out[7] = b.w;
 }
 
 // RMSNorm of one fp32 row already in global memory (written by this thread for the columns it

@@ -100,7 +100,7 @@ __global__ void __launch_bounds__(mma_warps * 32, CH >= 4 ? 1 : 2)
   pdl_enter();
   __shared__ float partial[mma_reduce_floats<TT>];
   bf16* y = static_cast<bf16*>(y_out);
-  float* yf = static_cast<float*>(y_out); // y_f32 (dense, no GLU)
+  float* yf = static_cast<float*>(y_out); // y_f32 (no GLU)
   int e = 0, count = dense_count, first = 0;
   if (dense_count == 0) {
     if (static_cast<int>(blockIdx.y) >= *active_count)
@@ -230,7 +230,7 @@ void launch_mma(const expert_mma_args& a, int ksplit, int grid_y, int dense_coun
   launch(dense_count > 0 ? "dense_mma" : "expert_mma", expert_mma_kernel<CH, GLU, TT>, grid,
          dim3(mma_warps * 32), s, static_cast<const bf16*>(a.x), a.x_rows,
          static_cast<const bf16*>(a.w), a.active, a.active_count, a.counts, a.offsets,
-         a.y, a.rows, a.k, ksplit, a.evict_first, dense_count, a.y_f32 && dense_count > 0);
+         a.y, a.rows, a.k, ksplit, a.evict_first, dense_count, a.y_f32 && !GLU);
 }
 
 template <bool GLU, int TT>

@@ -244,7 +244,8 @@ __global__ void silu_mul_kernel(const bf16* __restrict__ gate_up, bf16* __restri
 // One block per token: x[t] += sum_j weights[t, j] * y[inverse[t, j]], columns by 8 (one
 // 16-byte load per expert) when h % 8 == 0; then, when norm_w is given, norm_out[t] =
 // RMSNorm(x[t]) (the next layer's input norm).
-__global__ void mix_kernel(const bf16* __restrict__ y, const i64* __restrict__ inverse,
+template <class Y>
+__global__ void mix_kernel(const Y* __restrict__ y, const i64* __restrict__ inverse,
                            const float* __restrict__ weights, float* __restrict__ x, int top_k,
                            int h, const bf16* __restrict__ norm_w, bf16* __restrict__ norm_out,
                            float eps) {
@@ -261,7 +262,7 @@ __global__ void mix_kernel(const bf16* __restrict__ y, const i64* __restrict__ i
 #pragma unroll 8
       for (int j = 0; j < top_k; ++j) {
         float v[8];
-        unpack8(*reinterpret_cast<const uint4*>(y + inv[j] * h + c), v);
+        load8(y + inv[j] * h + c, v);
         const float wj = wt[j];
 #pragma unroll
         for (int i = 0; i < 8; ++i)
@@ -339,10 +340,15 @@ void silu_mul(const void* gate_up, void* act, std::int64_t m, int inter, void* s
 
 void mix_experts(const void* y, const std::int64_t* inverse, const float* weights, float* x,
                  int n, int top_k, int h, const void* norm_w, void* norm_out, float eps,
-                 void* stream) {
-  launch("mix_experts", mix_kernel, dim3(n), dim3(256), as_stream(stream),
-         static_cast<const bf16*>(y), inverse, weights, x, top_k, h,
-         static_cast<const bf16*>(norm_w), static_cast<bf16*>(norm_out), eps);
+                 void* stream, bool y_f32) {
+  if (y_f32)
+    launch("mix_experts", mix_kernel<float>, dim3(n), dim3(256), as_stream(stream),
+           static_cast<const float*>(y), inverse, weights, x, top_k, h,
+           static_cast<const bf16*>(norm_w), static_cast<bf16*>(norm_out), eps);
+  else
+    launch("mix_experts", mix_kernel<bf16>, dim3(n), dim3(256), as_stream(stream),
+           static_cast<const bf16*>(y), inverse, weights, x, top_k, h,
+           static_cast<const bf16*>(norm_w), static_cast<bf16*>(norm_out), eps);
 }
 
 } // namespace refit::inference::kernels
