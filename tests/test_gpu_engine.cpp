@@ -72,13 +72,20 @@ void expect_fused_matches_aten(const env_vars& knobs) {
   const double mean_fused = mean_abs_delta(a, reference);
   const double mean_aten = mean_abs_delta(b, reference);
   const double between = max_abs_delta(a, b);
+  const double max_fused = max_abs_delta(a, reference);
+  const double max_aten = max_abs_delta(b, reference);
   std::string label;
   for (const auto& [name, value] : knobs)
     label += name + "=" + value + " ";
   std::cout << "[ measured ] " << (label.empty() ? "defaults " : label) << "fused vs ATen: max "
-            << between << "; mean gap to fp32: fused " << mean_fused << ", ATen " << mean_aten
-            << "\n";
-  EXPECT_LT(between, 0.1);
+            << between << "; gap to fp32 (mean, max): fused " << mean_fused << ", " << max_fused
+            << "; ATen " << mean_aten << ", " << max_aten << "\n";
+  // The fused paths keep more in fp32 than the ATen chains (the split router, fp32 o_proj and
+  // expert outputs), so they may differ from them by the ATen chains' own error: they must be
+  // close to them, or else closer to the fp32 reference than they are.
+  EXPECT_TRUE(between < 0.1 || max_fused < max_aten)
+    << "fused vs ATen: max " << between << "; max gap to fp32: fused " << max_fused << ", ATen "
+    << max_aten;
   EXPECT_LT(mean_fused, 0.02);
   EXPECT_LT(mean_fused, 1.5 * mean_aten + 1e-4) << "the fused kernels lose accuracy";
   EXPECT_GT(fused.forward->counters().decode_expert_loads, 0u);
