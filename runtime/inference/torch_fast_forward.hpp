@@ -192,6 +192,9 @@ private:
   // The same with an fp32 output (fp32 accumulation, no bf16 rounding of y): dense_mma's fp32
   // epilogue for few rows, cuBLAS with an fp32 output dtype above; on the device only.
   at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w) const;
+  // The tensor-core kernel's dense mode for linear / linear_f32; undefined where it does not
+  // apply (off, too many rows, a shape it does not fit, no CUDA).
+  at::Tensor dense_mma(const at::Tensor& x, const at::Tensor& w, bool f32) const;
 
   at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) const;
 

@@ -9,42 +9,9 @@ bool streamable(const at::Tensor& t) {
          && reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16 == 0;
 }
 
-// x [m, k] . w [n, k]^T: up to dense_gemv_max_rows_ (<= 8) rows the dense GEMV, up to
-// dense_mma_max_rows_ the tensor-core kernel (every weight row streamed once), else the ATen
-// GEMM (cuBLAS).
-at::Tensor fast_rank_forward::linear(const at::Tensor& x, const at::Tensor& w) const {
-#if defined(REFIT_TORCH_CUDA)
-  if (fused_ && x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && streamable(x)
-      && streamable(w)) {
-    const auto m = static_cast<int>(x.size(0));
-    if (x.size(0) <= dense_gemv_max_rows_
-        && kernels::dense_gemv_supported(x.size(0), x.size(1))) {
-      at::Tensor y = at::empty({x.size(0), w.size(0)}, bf_);
-      kernels::dense_gemv(x.data_ptr(), w.data_ptr(), y.data_ptr(), m,
-                          static_cast<int>(w.size(0)), static_cast<int>(x.size(1)), stream());
-      return y;
-    }
-    if (x.size(0) <= dense_mma_max_rows_) {
-      kernels::expert_mma_args a;
-      a.x = x.data_ptr();
-      a.w = w.data_ptr();
-      a.rows = static_cast<int>(w.size(0));
-      a.k = static_cast<int>(x.size(1));
-      a.max_chunks = static_cast<int>(mma_chunks_);
-      a.evict_first = mma_evict_first_ != 0;
-      if (const int ks = kernels::dense_mma_ksplit(a, m, 0); ks > 0) {
-        at::Tensor y = at::empty({x.size(0), w.size(0)}, bf_);
-        a.y = y.data_ptr();
-        kernels::dense_mma(a, m, ks, stream());
-        return y;
-      }
-    }
-  }
-#endif
-  return at::matmul(x, w.t());
-}
-
-at::Tensor fast_rank_forward::linear_f32(const at::Tensor& x, const at::Tensor& w) const {
+// The dense mode of the tensor-core kernel for x [m, k] . w [n, k]^T, bf16 or fp32 out (every
+// weight row streamed once); undefined when it is off or does not fit the shape.
+at::Tensor fast_rank_forward::dense_mma(const at::Tensor& x, const at::Tensor& w, bool f32) const {
 #if defined(REFIT_TORCH_CUDA)
   if (fused_ && x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && streamable(x)
       && streamable(w) && x.size(0) <= dense_mma_max_rows_) {
@@ -55,16 +22,41 @@ at::Tensor fast_rank_forward::linear_f32(const at::Tensor& x, const at::Tensor& 
     a.k = static_cast<int>(x.size(1));
     a.max_chunks = static_cast<int>(mma_chunks_);
     a.evict_first = mma_evict_first_ != 0;
-    a.y_f32 = true;
+    a.y_f32 = f32;
     const auto m = static_cast<int>(x.size(0));
     if (const int ks = kernels::dense_mma_ksplit(a, m, 0); ks > 0) {
-      at::Tensor y = at::empty({x.size(0), w.size(0)}, f32_);
+      at::Tensor y = at::empty({x.size(0), w.size(0)}, f32 ? f32_ : bf_);
       a.y = y.data_ptr();
       kernels::dense_mma(a, m, ks, stream());
       return y;
     }
   }
 #endif
+  (void)x, (void)w, (void)f32;
+  return {};
+}
+
+// x [m, k] . w [n, k]^T: up to dense_gemv_max_rows_ (<= 8) rows the dense GEMV, up to
+// dense_mma_max_rows_ the tensor-core kernel, else the ATen GEMM (cuBLAS).
+at::Tensor fast_rank_forward::linear(const at::Tensor& x, const at::Tensor& w) const {
+#if defined(REFIT_TORCH_CUDA)
+  if (fused_ && x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && streamable(x)
+      && streamable(w) && x.size(0) <= dense_gemv_max_rows_
+      && kernels::dense_gemv_supported(x.size(0), x.size(1))) {
+    at::Tensor y = at::empty({x.size(0), w.size(0)}, bf_);
+    kernels::dense_gemv(x.data_ptr(), w.data_ptr(), y.data_ptr(), static_cast<int>(x.size(0)),
+                        static_cast<int>(w.size(0)), static_cast<int>(x.size(1)), stream());
+    return y;
+  }
+#endif
+  if (at::Tensor y = dense_mma(x, w, false); y.defined())
+    return y;
+  return at::matmul(x, w.t());
+}
+
+at::Tensor fast_rank_forward::linear_f32(const at::Tensor& x, const at::Tensor& w) const {
+  if (at::Tensor y = dense_mma(x, w, true); y.defined())
+    return y;
 #if defined(REFIT_HAVE_MM_DTYPE)
   if (x.is_cuda() && x.scalar_type() == at::kBFloat16)
     return at::mm(x, w.t(), at::kFloat);
