@@ -106,6 +106,16 @@ TEST(GpuMoeKernels, BucketSortsCopiesByExpertStablyAndListsTheNonEmptyExperts) {
   EXPECT_EQ(d.loads.host(), (std::vector<i64>{5 + used, 7 + used}));
 }
 
+// The expert ids by score, highest first, equal scores in id order (the routing's tie rule).
+std::vector<int> ranked(const std::vector<double>& score) {
+  std::vector<int> rank(score.size());
+  std::iota(rank.begin(), rank.end(), 0);
+  std::stable_sort(rank.begin(), rank.end(), [&](int a, int b) {
+    return score[static_cast<std::size_t>(a)] > score[static_cast<std::size_t>(b)];
+  });
+  return rank;
+}
+
 // Routing: softmax over the experts, the top k by probability with ties to the lower id,
 // renormalized or not, against the host; the logits are bf16 with whole runs of equal values.
 TEST(GpuMoeKernels, RouteTakesTheTopKWithTiesToTheLowerIdAsTheHostDoes) {
@@ -131,11 +141,7 @@ TEST(GpuMoeKernels, RouteTakesTheTopKWithTiesToTheLowerIdAsTheHostDoes) {
       for (int e = 0; e < experts; ++e)
         sum += p[static_cast<std::size_t>(e)] =
           std::exp(double(from_bf16(logits[static_cast<std::size_t>(t * experts + e)])) - mx);
-      std::vector<int> rank(static_cast<std::size_t>(experts));
-      std::iota(rank.begin(), rank.end(), 0);
-      std::stable_sort(rank.begin(), rank.end(), [&](int a, int b) {
-        return p[static_cast<std::size_t>(a)] > p[static_cast<std::size_t>(b)];
-      });
+      const std::vector<int> rank = ranked(p);
       double kept = 0;
       for (int j = 0; j < top_k; ++j)
         kept += p[static_cast<std::size_t>(rank[static_cast<std::size_t>(j)])] / sum;
@@ -176,11 +182,7 @@ TEST(GpuMoeKernels, RouteF32AddsTheLowPartAndBreaksTiesToTheLowerId) {
         const std::size_t at = static_cast<std::size_t>(t * experts + e);
         v[static_cast<std::size_t>(e)] = with_lo ? hi[at] + lo[at] : hi[at];
       }
-      std::vector<int> rank(static_cast<std::size_t>(experts));
-      std::iota(rank.begin(), rank.end(), 0);
-      std::stable_sort(rank.begin(), rank.end(), [&](int a, int b) {
-        return v[static_cast<std::size_t>(a)] > v[static_cast<std::size_t>(b)];
-      });
+      const std::vector<int> rank = ranked(std::vector<double>(v.begin(), v.end()));
       const double mx = v[static_cast<std::size_t>(rank[0])];
       double kept = 0;
       for (int j = 0; j < top_k; ++j)

@@ -260,6 +260,10 @@ private:
   at::Tensor add_norm_bf16(at::Tensor& x, const at::Tensor& out, const at::Tensor& w,
                            at::Tensor* split = nullptr);
 
+  // Whether o_proj and the experts' down projection hand fp32 to the residual add (the fused
+  // add_rms_norm and mix, TP 1, REFIT_RESIDUAL_FP32): no bf16 rounding of either.
+  bool fp32_residual_inputs() const { return fused_ && o_.tp == 1 && residual_fp32_ != 0; }
+
   // Decode attention of one layer through the fused kernels: q/k norm + RoPE + the K/V
   // writes, then attention over the paged cache.
   at::Tensor fused_decode_layer_attention(const at::Tensor& qkv, const layer_tensors& w,

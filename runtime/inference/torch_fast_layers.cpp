@@ -86,9 +86,7 @@ at::Tensor fast_rank_forward::model(const step_inputs& in, std::byte* kv_base, c
       vc.index_put_({in.write_block, in.write_slot}, v_src);
       attn = decode ? decode_attention(q, kc, vc, in) : prefill_attention(q, k, v, kc, vc, *items);
     }
-    // fp32 into the fp32 residual where the fused add takes it: no bf16 rounding of o_proj
-    const bool fp32_out = fused_ && o_.tp == 1 && residual_fp32_ != 0;
-    const at::Tensor out = fp32_out ? linear_f32(attn, w.o) : linear(attn, w.o);
+    const at::Tensor out = fp32_residual_inputs() ? linear_f32(attn, w.o) : linear(attn, w.o);
     at::Tensor router_in;
     h = add_norm_bf16(x, out, w.post_norm, &router_in);
     const bool last = layer + 1 == cfg_.num_hidden_layers;
@@ -283,26 +281,23 @@ at::Tensor fast_rank_forward::experts(const layer_tensors& w, const at::Tensor& 
   }
 #if defined(REFIT_TORCH_CUDA)
   const int ni = static_cast<int>(n), ei = static_cast<int>(experts_), ki = static_cast<int>(top_k_);
-  if (fused_ && router_logits.scalar_type() == at::kFloat && kernels::route_supported(ei, ki)) {
+  if (fused_ && kernels::route_supported(ei, ki)) {
     at::Tensor ids = at::empty({n, top_k_}, i64_);
     weights = at::empty({n, top_k_}, f32_);
-    const float* l = router_logits.data_ptr<float>();
-    kernels::route_f32(l, two_parts ? l + n * experts_ : nullptr, ni, ei, ki, cfg_.norm_topk_prob,
-                       ids.data_ptr<std::int64_t>(), weights.data_ptr<float>(), stream());
+    if (router_logits.scalar_type() == at::kFloat) {
+      const float* l = router_logits.data_ptr<float>();
+      kernels::route_f32(l, two_parts ? l + n * experts_ : nullptr, ni, ei, ki,
+                         cfg_.norm_topk_prob, ids.data_ptr<std::int64_t>(),
+                         weights.data_ptr<float>(), stream());
+    } else {
+      kernels::route(router_logits.data_ptr(), ni, ei, ki, cfg_.norm_topk_prob,
+                     ids.data_ptr<std::int64_t>(), weights.data_ptr<float>(), stream());
+    }
     chosen = ids.reshape({-1});
   }
 #endif
   if (two_parts && !chosen.defined())
     router_logits = router_logits.narrow(0, 0, n) + router_logits.narrow(0, n, n);
-#if defined(REFIT_TORCH_CUDA)
-  if (!chosen.defined() && fused_ && kernels::route_supported(ei, ki)) {
-    at::Tensor ids = at::empty({n, top_k_}, i64_);
-    weights = at::empty({n, top_k_}, f32_);
-    kernels::route(router_logits.data_ptr(), ni, ei, ki, cfg_.norm_topk_prob,
-                   ids.data_ptr<std::int64_t>(), weights.data_ptr<float>(), stream());
-    chosen = ids.reshape({-1});
-  }
-#endif
   if (!chosen.defined()) {
     const at::Tensor probs = at::softmax(router_logits.to(at::kFloat), -1);
     auto ranked = at::sort(probs, /*stable=*/true, /*dim=*/-1, /*descending=*/true);
@@ -409,8 +404,7 @@ at::Tensor fast_rank_forward::expert_projections(const layer_tensors& w, const a
     const int ks_up = kernels::expert_mma_ksplit(up, c, e, wanted); // 0: the shape does not fit
     const int ks_down = kernels::expert_mma_ksplit(down, c, e, wanted);
     if (ks_up > 0 && ks_down > 0) {
-      // down in fp32 where the fused mix adds it into the residual (TP 1): no bf16 rounding
-      down.y_f32 = o_.tp == 1 && residual_fp32_ != 0;
+      down.y_f32 = fp32_residual_inputs(); // the fused mix adds it into the residual
       at::Tensor act = at::empty({copies, inter_}, bf_);
       at::Tensor ys = at::empty({copies, w.w2.size(1)}, down.y_f32 ? f32_ : bf_);
       up.y = act.data_ptr();

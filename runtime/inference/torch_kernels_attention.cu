@@ -16,6 +16,15 @@ namespace {
 
 // ------------------------------------------------------------- decode attention
 
+// The element offset in the cache of position p's K row of KV head h (its V row: + part_elems),
+// through the sequence's block table row.
+template <int D>
+__device__ __forceinline__ i64 kv_row(const kv_target& kv, const i64* row_table, i64 p, int hkv,
+                                      int h) {
+  return row_table[p / kv.block_size] * kv.block_elems + kv.layer_offset
+         + ((p % kv.block_size) * hkv + h) * static_cast<i64>(D);
+}
+
 // The NW warps' online-softmax states of a block's G heads (shared memory: max sm[w * HS + g],
 // sum sl[w * HS + g], P.V sacc[(w * HS + g) * D + c]) merged. splits 1: the normalized output;
 // else this split's (max, sum, unnormalized P.V) into partial for attention_merge_kernel.
@@ -105,9 +114,7 @@ __global__ void __launch_bounds__(NW * 32)
     for (int g = 0; g < G; ++g)
       s[g] = 0.0f;
     if (valid) {
-      const i64 block = row_table[p / kv.block_size];
-      const i64 off = block * kv.block_elems + kv.layer_offset
-                      + ((p % kv.block_size) * hkv + h) * static_cast<i64>(D);
+      const i64 off = kv_row<D>(kv, row_table, p, hkv, h);
       const uint4* vp = reinterpret_cast<const uint4*>(cache + off + kv.part_elems);
       uint4* vdst = reinterpret_cast<uint4*>(vw + lane * D);
 #pragma unroll
@@ -260,10 +267,7 @@ __global__ void __launch_bounds__(NW * 32)
   const i64 length = lengths[b];
   const bf16* cache = static_cast<const bf16*>(kv.base);
   const i64* row_table = table + static_cast<i64>(b) * width;
-  const auto slot = [&](i64 p) { // the element offset of position p's K row of KV head h
-    return row_table[p / kv.block_size] * kv.block_elems + kv.layer_offset
-           + ((p % kv.block_size) * hkv + h) * static_cast<i64>(D);
-  };
+  const auto slot = [&](i64 p) { return kv_row<D>(kv, row_table, p, hkv, h); };
   bf16* vw = reinterpret_cast<bf16*>(smem) + warp * TILE * D;
   const i64 stride = static_cast<i64>(splits) * NW * TILE;
   for (i64 base = (split + static_cast<i64>(splits) * warp) * TILE; base < length;
