@@ -12,6 +12,7 @@
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "gpu_fixture.hpp"
@@ -198,6 +199,10 @@ TEST(GpuMoeKernels, RouteF32AddsTheLowPartAndBreaksTiesToTheLowerId) {
   }
 }
 
+// The weight stagings (expert_mma_args::stages) and early starts (expert_mma_args::early: the
+// blocks by expert id, the empty experts' leaving) the kernel tests run.
+const std::pair<int, bool> stagings[] = {{0, false}, {4, false}, {8, false}, {4, true}, {0, true}};
+
 // x-row(p) . w[e]^T for the sorted copies, fp32 over the bf16 values; GLU: silu(gate) * up.
 std::vector<float> host_projection(const std::vector<std::uint16_t>& x,
                                    const std::vector<i64>* x_rows,
@@ -233,8 +238,9 @@ struct projection_case {
 
 // gate_up (GLU, x gathered through src_token) and down (x by sorted position), for 70 tokens
 // routed over 32 experts: expert 0 takes all 70 copies (three passes of up to 32), some take
-// one, a quarter none. Every k-split that divides the shape, at each register staging (4, 2
-// and 1 chunks), each against the reference; 48 rows are 3 warp tiles (blocks with idle warps).
+// one, a quarter none. Every k-split that divides the shape, at each staging (4, 2 and 1
+// chunks; in registers, 4 or 8 cp.async stages; with and without the early start), each
+// against the reference; 48 rows are 3 warp tiles (blocks with idle warps).
 TEST(GpuMoeKernels, ExpertMmaMatchesTheHostReferenceAtEveryKSplit) {
   REQUIRE_GPUS(1);
   const int tokens = 70, top_k = 4, experts = 32;
@@ -268,9 +274,12 @@ TEST(GpuMoeKernels, ExpertMmaMatchesTheHostReferenceAtEveryKSplit) {
     a.glu = pc.glu;
     ASSERT_TRUE(kernels::expert_mma_supported(a)) << pc.rows << "x" << pc.k;
     int splits_run = 0;
+    for (const auto& [stages, early] : stagings)
     for (const int chunks : {4, 2, 1})
       for (int ks = 1; ks <= 8; ks *= 2) {
         a.max_chunks = chunks;
+        a.stages = stages;
+        a.early = early;
         if (kernels::expert_mma_ksplit(a, copies, experts, ks) != ks)
           continue;
         ++splits_run;
@@ -288,7 +297,8 @@ TEST(GpuMoeKernels, ExpertMmaMatchesTheHostReferenceAtEveryKSplit) {
           worst = std::max(worst, std::abs(got - ref) / (std::abs(ref) + 0.05));
         }
         EXPECT_LT(worst, 0.02) << "rows " << pc.rows << " k " << pc.k << " glu " << pc.glu
-                               << " ksplit " << ks << " chunks " << chunks;
+                               << " ksplit " << ks << " chunks " << chunks << " stages "
+                               << stages << " early " << early;
       }
     EXPECT_GE(splits_run, 6) << "rows " << pc.rows << " k " << pc.k;
     const int automatic = kernels::expert_mma_ksplit(a, copies, experts, 0);
@@ -327,16 +337,17 @@ TEST(GpuMoeKernels, AnExpertMmaSplitThatDoesNotDivideTheShapeIsRefused) {
   EXPECT_FALSE(kernels::expert_mma_supported(a));
 }
 
-// The dense mode (qkv, o_proj, the router at 9..64 rows): y = x . w^T against a host fp32
-// reference, at row counts on both sides of one 32-row tile set (4 token tiles, then 8), every
-// staging and k-split the shape allows; 48 rows are 3 warp tiles (idle warps in the block).
+// The dense mode (qkv, o_proj, the router at 9..128 rows): y = x . w^T against a host fp32
+// reference, at row counts on both sides of one 32-row tile set (4 token tiles, then 8) and of
+// one 64-row pass (100 and 128: two), every staging and k-split the shape allows; 48 rows are
+// 3 warp tiles (idle warps in the block).
 TEST(GpuMoeKernels, DenseMmaMatchesTheHostReferenceAtEveryRowCountAndKSplit) {
   REQUIRE_GPUS(1);
   struct shape {
     int rows, k;
   };
   for (const shape sh : {shape{384, 512}, shape{48, 256}}) {
-    for (const int m : {1, 9, 32, 33, 64}) {
+    for (const int m : {1, 9, 32, 33, 64, 100, 128}) {
       const auto x = random_bf16(static_cast<std::size_t>(m) * sh.k, 3 + m, 1.0f);
       const auto w = random_bf16(static_cast<std::size_t>(sh.rows) * sh.k, 17,
                                  1.0f / std::sqrt(float(sh.k)));
@@ -356,9 +367,12 @@ TEST(GpuMoeKernels, DenseMmaMatchesTheHostReferenceAtEveryRowCountAndKSplit) {
       a.rows = sh.rows;
       a.k = sh.k;
       int runs = 0;
+      for (const auto& [stages, early] : stagings)
       for (const int chunks : {4, 2, 1})
         for (int ks = 1; ks <= 8; ks *= 2) {
           a.max_chunks = chunks;
+          a.stages = stages;
+          a.early = early;
           if (kernels::dense_mma_ksplit(a, m, ks) != ks)
             continue;
           ++runs;
@@ -375,13 +389,15 @@ TEST(GpuMoeKernels, DenseMmaMatchesTheHostReferenceAtEveryRowCountAndKSplit) {
             worst = std::max(worst, std::abs(got - reference[i]) / (std::abs(reference[i]) + 0.05));
           }
           EXPECT_LT(worst, 0.02) << "rows " << sh.rows << " k " << sh.k << " m " << m
-                                 << " ksplit " << ks << " chunks " << chunks;
+                                 << " ksplit " << ks << " chunks " << chunks << " stages "
+                                 << stages << " early " << early;
         }
       EXPECT_GE(runs, 6) << "rows " << sh.rows << " k " << sh.k << " m " << m;
       // fp32 output (the router's logits): the accumulators themselves, no bf16 rounding (that
       // alone would be ~4e-3 of a value).
       for (const int chunks : {2, 1}) {
         a.max_chunks = chunks;
+        a.stages = 4;
         a.y_f32 = true;
         device_vec<float> d_yf(static_cast<std::size_t>(m) * sh.rows);
         CUDA_OK(cudaMemset(d_yf.p, 0xff, d_yf.n * 4));
@@ -402,16 +418,16 @@ TEST(GpuMoeKernels, DenseMmaMatchesTheHostReferenceAtEveryRowCountAndKSplit) {
       EXPECT_TRUE(automatic == 1 || automatic == 2 || automatic == 4 || automatic == 8);
     }
   }
-  // More rows than one pass holds, or a GLU projection: refused, naming the row count.
+  // More rows than two passes hold, or a GLU projection: refused, naming the row count.
   kernels::expert_mma_args a;
   a.rows = 64;
   a.k = 256;
   EXPECT_EQ(kernels::dense_mma_ksplit(a, kernels::dense_mma_max_rows + 1, 0), 0);
   try {
     kernels::dense_mma(a, kernels::dense_mma_max_rows + 1, 1, nullptr);
-    ADD_FAILURE() << "65 rows accepted";
+    ADD_FAILURE() << "129 rows accepted";
   } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("65 rows"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("129 rows"), std::string::npos) << e.what();
   }
   a.glu = true;
   EXPECT_EQ(kernels::dense_mma_ksplit(a, 16, 0), 0);

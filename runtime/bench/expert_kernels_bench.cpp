@@ -208,17 +208,25 @@ int main(int argc, char** argv) try {
     struct variant {
       int chunks, wanted; // wanted k-split; 0: chosen
       bool evict_first;   // the weight stream's L2 policy
+      int stages;         // expert_mma_args::stages
+      bool early;         // expert_mma_args::early
     };
     std::vector<variant> variants;
-    for (const int chunks : {4, 2, 1})
-      for (const int wanted : {0, 1, 2, 4, 8})
-        variants.push_back({chunks, wanted, true});
-    for (const int chunks : {2, 1})
-      variants.push_back({chunks, 0, false});
-    for (const auto& [chunks, wanted, evict_first] : variants) {
+    for (const int stages : {0, 4, 8})
+      for (const int chunks : {4, 2, 1})
+        for (const int wanted : {0, 1, 2, 4})
+          if (stages < 8 || chunks < 4)
+            variants.push_back({chunks, wanted, true, stages, false});
+    for (const int chunks : {2, 1}) {
+      variants.push_back({chunks, 0, false, 4, false});
+      variants.push_back({chunks, 0, true, 4, true});
+    }
+    for (const auto& [chunks, wanted, evict_first, stages, early] : variants) {
       kernels::expert_mma_args up, down;
       up.max_chunks = down.max_chunks = chunks;
       up.evict_first = down.evict_first = evict_first;
+      up.stages = down.stages = stages;
+      up.early = down.early = early;
       up.x = x.p;
       up.x_rows = d.src_token.p;
       up.rows = 2 * in;
@@ -242,8 +250,9 @@ int main(int argc, char** argv) try {
       if (ks_up == 0 || ks_down == 0)
         continue;
       measure(std::string(wanted == 0 ? "mma auto " : "mma ") + std::to_string(ks_up) + "/"
-                + std::to_string(ks_down) + " c" + std::to_string(chunks)
-                + (evict_first ? "" : " l2-normal"),
+                + std::to_string(ks_down) + " c" + std::to_string(chunks) + " s"
+                + std::to_string(stages) + (evict_first ? "" : " l2-normal")
+                + (early ? " early" : ""),
               [&](int l) {
                 up.w = w13[static_cast<std::size_t>(l)].p;
                 down.w = w2[static_cast<std::size_t>(l)].p;

@@ -428,7 +428,9 @@ json generate_bench::run() {
                            "REFIT_EXPERT_MMA_CHUNKS", "REFIT_EXPERT_MMA_EVICT_FIRST",
                            "REFIT_DENSE_GEMV_MAX_ROWS", "REFIT_DENSE_MMA_MAX_ROWS",
                            "REFIT_FUSED_SAMPLING", "REFIT_ROUTER_SPLIT", "REFIT_LOGITS_FP32",
-                           "REFIT_RESIDUAL_FP32", "REFIT_ATTENTION_MMA"})
+                           "REFIT_RESIDUAL_FP32", "REFIT_ATTENTION_MMA",
+                           "REFIT_ATTENTION_SPLITS", "REFIT_EXPERT_MMA_STAGES",
+                           "REFIT_EXPERT_MMA_EARLY", "REFIT_ROUTER_MMA_MAX_ROWS"})
     if (const char* v = std::getenv(knob); v != nullptr)
       out["engine_env"][knob] = v;
   out["compute_dtype"] = cfg_.runtime.compute_dtype;

@@ -104,13 +104,19 @@ fast_rank_forward::fast_rank_forward(const rank_forward_options& o)
   mma_ksplit_ = choice_knob("REFIT_EXPERT_MMA_KSPLIT", {"0", "1", "2", "4", "8"}, mma_ksplit_);
   mma_chunks_ = choice_knob("REFIT_EXPERT_MMA_CHUNKS", {"1", "2", "4"}, mma_chunks_);
   mma_evict_first_ = choice_knob("REFIT_EXPERT_MMA_EVICT_FIRST", {"0", "1"}, mma_evict_first_);
+  mma_stages_ = choice_knob("REFIT_EXPERT_MMA_STAGES", {"0", "4", "8"}, mma_stages_);
+  mma_early_ = choice_knob("REFIT_EXPERT_MMA_EARLY", {"0", "1"}, mma_early_);
   fused_sampling_ = choice_knob("REFIT_FUSED_SAMPLING", {"0", "1"}, fused_sampling_);
   router_split_ = choice_knob("REFIT_ROUTER_SPLIT", {"0", "1"}, router_split_);
   logits_fp32_ = choice_knob("REFIT_LOGITS_FP32", {"0", "1"}, logits_fp32_);
   residual_fp32_ = choice_knob("REFIT_RESIDUAL_FP32", {"0", "1"}, residual_fp32_);
   attention_mma_ = choice_knob("REFIT_ATTENTION_MMA", {"0", "1"}, attention_mma_);
+  attention_splits_ =
+    count_knob("REFIT_ATTENTION_SPLITS", attention_splits_, "splits", 16); // max_attention_splits
   dense_gemv_max_rows_ = count_knob("REFIT_DENSE_GEMV_MAX_ROWS", dense_gemv_max_rows_, "rows", 8);
   dense_mma_max_rows_ = count_knob("REFIT_DENSE_MMA_MAX_ROWS", dense_mma_max_rows_, "rows", 64);
+  router_mma_max_rows_ =
+    count_knob("REFIT_ROUTER_MMA_MAX_ROWS", router_mma_max_rows_, "rows", 128); // dense_mma_max_rows
   [[maybe_unused]] const bool programmatic = choice_knob("REFIT_PDL", {"0", "1"}, 1) == 1;
 #if defined(REFIT_TORCH_CUDA)
   if (device_.is_cuda())

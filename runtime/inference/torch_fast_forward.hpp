@@ -190,11 +190,15 @@ private:
   // kernels::dense_gemv), else at::matmul.
   at::Tensor linear(const at::Tensor& x, const at::Tensor& w) const;
   // The same with an fp32 output (fp32 accumulation, no bf16 rounding of y): dense_mma's fp32
-  // epilogue for few rows, cuBLAS with an fp32 output dtype above; on the device only.
-  at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w) const;
-  // The tensor-core kernel's dense mode for linear / linear_f32; undefined where it does not
-  // apply (off, too many rows, a shape it does not fit, no CUDA).
-  at::Tensor dense_mma(const at::Tensor& x, const at::Tensor& w, bool f32) const;
+  // epilogue for few rows (up to max_mma_rows; -1: dense_mma_max_rows_), cuBLAS with an fp32
+  // output dtype above; on the device only.
+  at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w,
+                        std::int64_t max_mma_rows = -1) const;
+  // The tensor-core kernel's dense mode for linear / linear_f32 up to max_rows rows (-1:
+  // dense_mma_max_rows_); undefined where it does not apply (off, too many rows, a shape it
+  // does not fit, no CUDA).
+  at::Tensor dense_mma(const at::Tensor& x, const at::Tensor& w, bool f32,
+                       std::int64_t max_rows = -1) const;
 
   at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) const;
 
@@ -327,6 +331,12 @@ private:
   std::int64_t mma_ksplit_ = 0;
   std::int64_t mma_chunks_ = 2; // expert_mma_args::max_chunks: 2 runs two blocks per SM
   std::int64_t mma_evict_first_ = 1; // expert_mma_args::evict_first (REFIT_EXPERT_MMA_EVICT_FIRST)
+  // expert_mma_args::stages (REFIT_EXPERT_MMA_STAGES): 4 cp.async stages in shared memory keep
+  // more weight bytes in flight per SM than the two register stages (0).
+  std::int64_t mma_stages_ = 4;
+  // expert_mma_args::early (REFIT_EXPERT_MMA_EARLY): the first weight stages copied before the
+  // wait for the kernel before (the experts by id from 4 routed copies an expert on).
+  std::int64_t mma_early_ = 1;
   // Rows up to which qkv, o_proj and the router take the dense GEMV (REFIT_DENSE_GEMV_MAX_ROWS,
   // at most 8), then the tensor-core kernel (dense_mma) instead of cuBLAS
   // (REFIT_DENSE_MMA_MAX_ROWS, at most 64; 0: off).
@@ -335,6 +345,10 @@ private:
   // outweigh the weights).
   std::int64_t dense_gemv_max_rows_ = 0;
   std::int64_t dense_mma_max_rows_ = 16;
+  // Rows (the 2n of the split router input; at most 128) up to which the router takes the dense
+  // mode, in passes of 64 (REFIT_ROUTER_MMA_MAX_ROWS; 0: cuBLAS): its weights are small, its
+  // cuBLAS GEMM was latency (7.5 us a layer at batch 64 on an H200).
+  std::int64_t router_mma_max_rows_ = 128;
   // Draws without top-k / top-p in one kernel (kernels::sample_plain) instead of the ATen chain
   // (REFIT_FUSED_SAMPLING=0|1).
   std::int64_t fused_sampling_ = 1;
@@ -351,6 +365,9 @@ private:
   // Decode attention on the tensor cores (groups up to 8) instead of CUDA cores
   // (REFIT_ATTENTION_MMA=0|1).
   std::int64_t attention_mma_ = 1;
+  // Decode attention's splits of each sequence (REFIT_ATTENTION_SPLITS, at most 16); 0: chosen
+  // from the batch (decode_attention_splits).
+  std::int64_t attention_splits_ = 0;
 #if defined(REFIT_TORCH_CUDA)
   std::optional<c10::cuda::CUDAStream> stream_;
   std::int64_t baseline_bytes_ = 0;

@@ -274,7 +274,7 @@ at::Tensor fast_rank_forward::experts(const layer_tensors& w, const at::Tensor& 
   if (router_in.defined() && router_in.scalar_type() == at::kFloat) {
     router_logits = at::matmul(router_in, w.router.to(at::kFloat).t());
   } else if (router_in.defined()) {
-    router_logits = linear_f32(router_in, w.router).contiguous();
+    router_logits = linear_f32(router_in, w.router, router_mma_max_rows_).contiguous();
     two_parts = true;
   } else {
     router_logits = linear(h, w.router);
@@ -393,6 +393,9 @@ at::Tensor fast_rank_forward::expert_projections(const layer_tensors& w, const a
     for (kernels::expert_mma_args* a : {&up, &down}) {
       a->max_chunks = static_cast<int>(mma_chunks_);
       a->evict_first = mma_evict_first_ != 0;
+      a->stages = static_cast<int>(mma_stages_);
+      // By expert id once nearly every expert is routed (4 copies an expert: ~2% empty).
+      a->early = mma_early_ != 0 && copies >= 4 * experts_;
       a->active = active.data_ptr<int>();
       a->active_count = active.data_ptr<int>() + experts_;
       a->counts = counts.data_ptr<std::int64_t>();
@@ -536,7 +539,10 @@ at::Tensor fast_rank_forward::fused_decode_layer_attention(const at::Tensor& qkv
                               static_cast<int>(kv_heads_), static_cast<int>(head_dim_),
                               static_cast<float>(cfg_.rms_norm_eps), stream());
   at::Tensor out = at::empty({n, q_heads_ * head_dim_}, bf_);
-  const int splits = kernels::decode_attention_splits(static_cast<int>(n), static_cast<int>(kv_heads_));
+  const int splits =
+    attention_splits_ > 0
+      ? static_cast<int>(attention_splits_)
+      : kernels::decode_attention_splits(static_cast<int>(n), static_cast<int>(kv_heads_));
   at::Tensor partial;
   if (splits > 1)
     partial = at::empty({n, q_heads_, splits, head_dim_ + 2}, f32_);

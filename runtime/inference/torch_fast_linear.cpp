@@ -11,10 +11,11 @@ bool streamable(const at::Tensor& t) {
 
 // The dense mode of the tensor-core kernel for x [m, k] . w [n, k]^T, bf16 or fp32 out (every
 // weight row streamed once); undefined when it is off or does not fit the shape.
-at::Tensor fast_rank_forward::dense_mma(const at::Tensor& x, const at::Tensor& w, bool f32) const {
+at::Tensor fast_rank_forward::dense_mma(const at::Tensor& x, const at::Tensor& w, bool f32,
+                                        std::int64_t max_rows) const {
 #if defined(REFIT_TORCH_CUDA)
   if (fused_ && x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && streamable(x)
-      && streamable(w) && x.size(0) <= dense_mma_max_rows_) {
+      && streamable(w) && x.size(0) <= (max_rows < 0 ? dense_mma_max_rows_ : max_rows)) {
     kernels::expert_mma_args a;
     a.x = x.data_ptr();
     a.w = w.data_ptr();
@@ -22,6 +23,8 @@ at::Tensor fast_rank_forward::dense_mma(const at::Tensor& x, const at::Tensor& w
     a.k = static_cast<int>(x.size(1));
     a.max_chunks = static_cast<int>(mma_chunks_);
     a.evict_first = mma_evict_first_ != 0;
+    a.stages = static_cast<int>(mma_stages_);
+    a.early = mma_early_ != 0;
     a.y_f32 = f32;
     const auto m = static_cast<int>(x.size(0));
     if (const int ks = kernels::dense_mma_ksplit(a, m, 0); ks > 0) {
@@ -32,7 +35,7 @@ at::Tensor fast_rank_forward::dense_mma(const at::Tensor& x, const at::Tensor& w
     }
   }
 #endif
-  (void)x, (void)w, (void)f32;
+  (void)x, (void)w, (void)f32, (void)max_rows;
   return {};
 }
 
@@ -54,8 +57,9 @@ at::Tensor fast_rank_forward::linear(const at::Tensor& x, const at::Tensor& w) c
   return at::matmul(x, w.t());
 }
 
-at::Tensor fast_rank_forward::linear_f32(const at::Tensor& x, const at::Tensor& w) const {
-  if (at::Tensor y = dense_mma(x, w, true); y.defined())
+at::Tensor fast_rank_forward::linear_f32(const at::Tensor& x, const at::Tensor& w,
+                                         std::int64_t max_mma_rows) const {
+  if (at::Tensor y = dense_mma(x, w, true, max_mma_rows); y.defined())
     return y;
 #if defined(REFIT_HAVE_MM_DTYPE)
   if (x.is_cuda() && x.scalar_type() == at::kBFloat16)

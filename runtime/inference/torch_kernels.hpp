@@ -139,6 +139,15 @@ struct expert_mma_args {
   int max_chunks = 4;
   bool evict_first = true; // the weight stream's L2 policy: evict-first, else normal
   bool y_f32 = false;       // no GLU: y fp32 instead of bf16
+  // The weight stream's staging: 0, two stages in registers; 4 or 8, that many cp.async stages
+  // in shared memory (8 with at most 2 chunks).
+  int stages = 0;
+  // The weights do not depend on the kernel launched just before (nor does anything of the
+  // bucket lists but counts and offsets): each block copies its first weight stages before it
+  // waits for that kernel (programmatic dependent launch), and the blocks are laid out by
+  // expert id over all `experts` (an empty expert's leave after the wait; worth it when nearly
+  // every expert is routed) instead of over the non-empty list. The dense mode takes it too.
+  bool early = false;
 };
 bool expert_mma_supported(const expert_mma_args& args);
 int expert_mma_ksplit(const expert_mma_args& args, int copies, int experts, int wanted);
@@ -146,10 +155,11 @@ void expert_mma(const expert_mma_args& args, int copies, int experts, int ksplit
 
 // A dense projection of a few rows on the same kernel: y bf16 (fp32 with y_f32) [m, rows] =
 // x bf16 [m, k] . w bf16 [rows, k]^T for 1 <= m <= dense_mma_max_rows, every weight row streamed
-// once (args: x, w, y, rows, k, max_chunks, evict_first, y_f32; glu false; x_rows and the bucket
-// lists unused).
+// once per pass of up to 64 rows (past 64, a second pass reads them again, from L2 when they
+// fit: the router's 2n rows) (args: x, w, y, rows, k, max_chunks, evict_first, y_f32, stages,
+// early; glu false; x_rows and the bucket lists unused).
 // dense_mma_ksplit: the k-split (about one wave of blocks), `wanted` checked; 0: no fit.
-constexpr int dense_mma_max_rows = 64;
+constexpr int dense_mma_max_rows = 128;
 int dense_mma_ksplit(const expert_mma_args& args, int m, int wanted);
 void dense_mma(const expert_mma_args& args, int m, int ksplit, void* stream);
 

@@ -180,13 +180,23 @@ __device__ __forceinline__ void pdl_enter() {
 // Whether launch() sets the attribute (set_programmatic_launch, from REFIT_PDL).
 inline std::atomic<bool> programmatic_launch{true};
 
+// launch_smem: with `smem` bytes of dynamic shared memory (past 48 KiB the kernel's opt-in
+// attribute is set first: a host-side call, allowed while a graph is captured).
 template <class... Params, class... Args>
-void launch(const char* what, void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t s,
-            Args... args) {
+void launch_smem(const char* what, void (*kernel)(Params...), dim3 grid, dim3 block, int smem,
+                 cudaStream_t s, Args... args) {
+  if (smem > 48 * 1024) {
+    const cudaError_t e =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess)
+      throw std::runtime_error(std::string("bf16 engine kernel ") + what + ": "
+                               + std::to_string(smem) + " bytes of shared memory: "
+                               + cudaGetErrorString(e));
+  }
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
-  config.dynamicSmemBytes = 0;
+  config.dynamicSmemBytes = static_cast<size_t>(smem);
   config.stream = s;
   cudaLaunchAttribute attribute = {};
   attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -198,6 +208,12 @@ void launch(const char* what, void (*kernel)(Params...), dim3 grid, dim3 block, 
     throw std::runtime_error(std::string("bf16 engine kernel ") + what + ": "
                              + cudaGetErrorString(e));
   check(what);
+}
+
+template <class... Params, class... Args>
+void launch(const char* what, void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t s,
+            Args... args) {
+  launch_smem(what, kernel, grid, block, 0, s, args...);
 }
 
 // ---- GEMV of a few rows -----------------------------------------------------------------------

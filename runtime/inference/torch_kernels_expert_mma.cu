@@ -74,40 +74,142 @@ __device__ __forceinline__ void mma_stage(const bf16* const (&xr)[TT], int off, 
   }
 }
 
+// The same k-iteration's chunks copied to shared memory (cp.async, no registers held while in
+// flight): lane l's chunk (c, row r) of a stage sits at uint4 ((c * 2 + r) * 32 + l) of the
+// stage's slot, so each lane reads back only what it wrote (no barrier; 512 contiguous bytes a
+// warp per chunk: no bank conflicts).
+__device__ __forceinline__ void cp_async_stream(uint4* dst, const bf16* src,
+                                                unsigned long long policy) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2;"
+               ::"r"(d), "l"(src), "l"(policy) : "memory");
+}
+
+template <int CH>
+__device__ __forceinline__ void copy_stage(uint4* slot, const bf16* wa, const bf16* wb, int k0,
+                                           unsigned long long policy) {
+#pragma unroll
+  for (int c = 0; c < CH; ++c) {
+    cp_async_stream(slot + (c * 2) * 32, wa + k0 + c * 32, policy);
+    cp_async_stream(slot + (c * 2 + 1) * 32, wb + k0 + c * 32, policy);
+  }
+}
+
+template <int CH>
+__device__ __forceinline__ void read_stage(const uint4* slot, uint4 (&a)[CH], uint4 (&b)[CH]) {
+#pragma unroll
+  for (int c = 0; c < CH; ++c) {
+    a[c] = slot[(c * 2) * 32];
+    b[c] = slot[(c * 2 + 1) * 32];
+  }
+}
+
+// The first S stages of a pass (one commit group each, empty past the end: the counts stay).
+template <int CH, int S>
+__device__ __forceinline__ void prefetch_stages(uint4* ring, const bf16* wa, const bf16* wb,
+                                                int lane_k, int iters, unsigned long long policy) {
+#pragma unroll
+  for (int s = 0; s < S; ++s) {
+    if (s < iters)
+      copy_stage<CH>(ring + s * (CH * 2 * 32), wa, wb, lane_k + s * 32 * CH, policy);
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  }
+}
+
+// One pass over the weight rows of the thread's warp tile for the live token tiles: with S == 0
+// two register stages ping-pong (one in flight while the other feeds the MMAs); with S >= 2 S
+// stages of cp.async in the warp's ring of shared memory (S - 1 in flight while one feeds the
+// MMAs: more bytes in flight per SM than registers hold). Stage `it` is read into registers and
+// used by the MMAs before its slot is refilled, in the lane's own program order (the MMAs wait
+// for the registers), so a slot is never overwritten while it is read.
+template <int CH, int TT, int S>
+__device__ __forceinline__ void weight_pass(const bf16* const (&xr)[TT], int tiles,
+                                            const bf16* wa, const bf16* wb, int lane_k, int iters,
+                                            unsigned long long policy, uint4* ring,
+                                            float (&acc)[TT][4], bool prefetched) {
+  if constexpr (S == 0) {
+    uint4 sa[2][CH], sb[2][CH];
+    load_stage<CH>(wa, wb, lane_k, policy, sa[0], sb[0]);
+    for (int it = 0; it < iters; it += 2) {
+      const int off = it * 32 * CH;
+      if (it + 1 < iters)
+        load_stage<CH>(wa, wb, lane_k + off + 32 * CH, policy, sa[1], sb[1]);
+      mma_stage<CH, TT>(xr, off, tiles, sa[0], sb[0], acc);
+      if (it + 2 < iters)
+        load_stage<CH>(wa, wb, lane_k + off + 64 * CH, policy, sa[0], sb[0]);
+      if (it + 1 < iters)
+        mma_stage<CH, TT>(xr, off + 32 * CH, tiles, sa[1], sb[1], acc);
+    }
+  } else {
+    constexpr int slot_size = CH * 2 * 32; // uint4s
+    if (!prefetched)
+      prefetch_stages<CH, S>(ring, wa, wb, lane_k, iters, policy);
+    for (int it = 0; it < iters; ++it) {
+      uint4* slot = ring + (it % S) * slot_size;
+      asm volatile("cp.async.wait_group %0;" ::"n"(S - 1) : "memory"); // stage `it` landed
+      uint4 a[CH], b[CH];
+      read_stage<CH>(slot, a, b);
+      mma_stage<CH, TT>(xr, it * 32 * CH, tiles, a, b, acc);
+      if (it + S < iters)
+        copy_stage<CH>(slot, wa, wb, lane_k + (it + S) * 32 * CH, policy);
+      asm volatile("cp.async.commit_group;" ::: "memory");
+    }
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+  }
+}
+
+// Dynamic shared memory of a block: S stages of the 8 warps' rings, then the k-split partial
+// sums (ksplit > 1).
+template <int CH, int TT, int S>
+constexpr int ring_bytes = S * mma_warps * CH * 2 * 32 * 16;
+
+template <int CH, int TT, int S>
+int mma_smem_bytes(int ksplit) {
+  return ring_bytes<CH, TT, S> + (ksplit > 1 ? mma_reduce_floats<TT> * 4 : 0);
+}
+
 // A dot product may take its k in any order, if A and B take it alike. Thread t of a row group
 // loads CH 16-byte chunks of its two weight rows at k0 + c * 32 + t * 8 (the group's four
 // threads read 64 contiguous bytes of a row per load: whole sectors) and the same chunks of its
 // token's row; chunk (e0..e7) feeds two MMAs, (e0 e1 | e2 e3) as the virtual columns
 // (2t, 2t+1 | 2t+8, 2t+9) and (e4 e5 | e6 e7) likewise, for A and for B.
 //
-// Block (x, y): the y-th non-empty expert (active), warp tiles x * row_warps .. + row_warps
+// Block (x, y): the y-th non-empty expert (active; early: expert y), warp tiles x * row_warps .. + row_warps
 // (row_warps = 8 / ksplit), each tile's k split over ksplit warps (partial sums added through
 // shared memory, in slice order: deterministic).
 // GLU: tile r holds gate rows 8r..8r+7 (A rows 0..7) and their up rows rows / 2 + 8r.. (A
 // rows 8..15) of w [e, rows, k]; y [m, rows / 2] = silu(gate) * up. Else tile r holds rows
 // 16r..16r+15 of w [e, rows, k]; y [m, rows].
 // Dense mode (dense_count > 0): w is one [rows, k] matrix, x [dense_count, k] its rows in
-// order, one pass of up to TT * 8 of them (the active/counts/offsets lists unused).
-// Registers: CH 4 holds two 4-chunk stages of two rows (64 registers) and runs one block per SM
-// without spilling; CH 2 and 1 fit two blocks per SM (ptxas -v, sm_90).
-template <int CH, bool GLU, int TT>
-__global__ void __launch_bounds__(mma_warps * 32, CH >= 4 ? 1 : 2)
+// order, in passes of up to TT * 8 of them (the active/counts/offsets lists unused).
+// Registers: with S == 0, CH 4 holds two 4-chunk stages of two rows (64 registers) and runs one
+// block per SM without spilling; CH 2 and 1 fit two blocks per SM (ptxas -v, sm_90).
+template <int CH, bool GLU, int TT, int S>
+__global__ void __launch_bounds__(mma_warps * 32, CH >= 4 && S == 0 ? 1 : 2)
   expert_mma_kernel(const bf16* __restrict__ x, const i64* __restrict__ x_rows,
                     const bf16* __restrict__ w, const int* __restrict__ active,
                     const int* __restrict__ active_count, const i64* __restrict__ counts,
                     const int* __restrict__ offsets, void* __restrict__ y_out, int rows,
-                    int k, int ksplit, bool evict_first, int dense_count, bool y_f32) {
-  pdl_enter();
-  __shared__ float partial[mma_reduce_floats<TT>];
+                    int k, int ksplit, bool evict_first, int dense_count, bool y_f32,
+                    bool early) {
+  // early (S > 0): the weights do not depend on the kernel before this one, so a block
+  // starts copying its first stages before waiting for it (griddepcontrol.wait). Experts are
+  // then blocks by id (grid y = all experts, an empty one's block leaves after the wait), not
+  // from the non-empty list the kernel before wrote.
+  const bool by_id = early && dense_count == 0;
+  if (!early)
+    pdl_enter();
+  extern __shared__ uint4 mma_smem[];
+  float* partial = reinterpret_cast<float*>(mma_smem + ring_bytes<CH, TT, S> / 16);
   bf16* y = static_cast<bf16*>(y_out);
   float* yf = static_cast<float*>(y_out); // y_f32 (no GLU)
   int e = 0, count = dense_count, first = 0;
-  if (dense_count == 0) {
+  if (by_id) {
+    e = blockIdx.y;
+  } else if (dense_count == 0) {
     if (static_cast<int>(blockIdx.y) >= *active_count)
       return; // the whole block: before any barrier
     e = active[blockIdx.y];
-    count = static_cast<int>(counts[e]);
-    first = offsets[e] - count;
   }
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
@@ -127,6 +229,21 @@ __global__ void __launch_bounds__(mma_warps * 32, CH >= 4 ? 1 : 2)
   const int lane_k = wk * span + t * 8;
   const int iters = span / (32 * CH);
   const unsigned long long policy = stream_policy(evict_first);
+  uint4* ring = mma_smem + warp * (S * CH * 2 * 32) + lane;
+  if (early) {
+    if constexpr (S > 0)
+      if (live)
+        prefetch_stages<CH, S>(ring, wa, wb, lane_k, iters, policy);
+    pdl_enter();
+  }
+  if (dense_count == 0) {
+    count = static_cast<int>(counts[e]);
+    first = offsets[e] - count;
+    if (count == 0) { // an empty expert's block (by id): its prefetch is dropped
+      asm volatile("cp.async.wait_all;" ::: "memory");
+      return; // the whole block: before any barrier
+    }
+  }
   for (int base = 0; base < count; base += 8 * TT) {
     const int tiles = min(TT, (count - base + 7) / 8);
     const bf16* xr[TT];
@@ -136,20 +253,9 @@ __global__ void __launch_bounds__(mma_warps * 32, CH >= 4 ? 1 : 2)
       xr[tt] = x + (x_rows != nullptr ? x_rows[q] : static_cast<i64>(q)) * k + lane_k;
     }
     float acc[TT][4] = {};
-    // Two register stages, ping-pong: one in flight while the other feeds the MMAs.
-    uint4 sa[2][CH], sb[2][CH];
     if (live)
-      load_stage<CH>(wa, wb, lane_k, policy, sa[0], sb[0]);
-    for (int it = 0; live && it < iters; it += 2) {
-      const int off = it * 32 * CH;
-      if (it + 1 < iters)
-        load_stage<CH>(wa, wb, lane_k + off + 32 * CH, policy, sa[1], sb[1]);
-      mma_stage<CH, TT>(xr, off, tiles, sa[0], sb[0], acc);
-      if (it + 2 < iters)
-        load_stage<CH>(wa, wb, lane_k + off + 64 * CH, policy, sa[0], sb[0]);
-      if (it + 1 < iters)
-        mma_stage<CH, TT>(xr, off + 32 * CH, tiles, sa[1], sb[1], acc);
-    }
+      weight_pass<CH, TT, S>(xr, tiles, wa, wb, lane_k, iters, policy, ring, acc,
+                             early && base == 0);
     if (ksplit > 1) { // the k-slices' sums into the first slice's warp, in slice order
       __syncthreads();
       if (wk > 0) {
@@ -206,6 +312,11 @@ int chunks_for(int span, int max_chunks) {
   return 0;
 }
 
+// The chunks per lane and k-iteration of a k-slice: 8 cp.async stages hold at most 2.
+int lane_chunks(const expert_mma_args& a, int ksplit) {
+  return chunks_for(a.k / ksplit, a.stages >= 8 && a.max_chunks > 2 ? 2 : a.max_chunks);
+}
+
 // Warp tiles per expert: 16 weight rows each (GLU: 8 gate rows and their 8 up rows).
 int warp_tiles(const expert_mma_args& a) { return a.rows / 16; }
 
@@ -214,7 +325,7 @@ int warp_tiles(const expert_mma_args& a) { return a.rows / 16; }
 bool ksplit_fits(const expert_mma_args& a, int ksplit) {
   return ksplit >= 1 && ksplit <= mma_max_ksplit && (ksplit & (ksplit - 1)) == 0
          && a.rows >= 16 && a.rows % 16 == 0 && a.k >= 32 && a.k % ksplit == 0
-         && chunks_for(a.k / ksplit, a.max_chunks) > 0;
+         && lane_chunks(a, ksplit) > 0;
 }
 
 // Blocks per expert: row_warps tiles each, the last one possibly in part.
@@ -223,23 +334,39 @@ int blocks_per_expert(const expert_mma_args& a, int ksplit) {
   return (warp_tiles(a) + row_warps - 1) / row_warps;
 }
 
-template <int CH, bool GLU, int TT>
+template <int CH, bool GLU, int TT, int S>
 void launch_mma(const expert_mma_args& a, int ksplit, int grid_y, int dense_count,
                 cudaStream_t s) {
   const dim3 grid(blocks_per_expert(a, ksplit), grid_y);
-  launch(dense_count > 0 ? "dense_mma" : "expert_mma", expert_mma_kernel<CH, GLU, TT>, grid,
-         dim3(mma_warps * 32), s, static_cast<const bf16*>(a.x), a.x_rows,
-         static_cast<const bf16*>(a.w), a.active, a.active_count, a.counts, a.offsets,
-         a.y, a.rows, a.k, ksplit, a.evict_first, dense_count, a.y_f32 && !GLU);
+  launch_smem(dense_count > 0 ? "dense_mma" : "expert_mma", expert_mma_kernel<CH, GLU, TT, S>,
+              grid, dim3(mma_warps * 32), mma_smem_bytes<CH, TT, S>(ksplit), s,
+              static_cast<const bf16*>(a.x), a.x_rows, static_cast<const bf16*>(a.w), a.active,
+              a.active_count, a.counts, a.offsets, a.y, a.rows, a.k, ksplit, a.evict_first,
+              dense_count, a.y_f32 && !GLU, a.early);
+}
+
+template <int CH, bool GLU, int TT>
+void launch_for_stages(const expert_mma_args& a, int ksplit, int grid_y, int dense_count,
+                       cudaStream_t s) {
+  switch (a.stages) {
+    case 0: return launch_mma<CH, GLU, TT, 0>(a, ksplit, grid_y, dense_count, s);
+    case 4: return launch_mma<CH, GLU, TT, 4>(a, ksplit, grid_y, dense_count, s);
+    case 8:
+      if constexpr (CH <= 2) // 8 stages of 4 chunks would not fit in shared memory
+        return launch_mma<CH, GLU, TT, 8>(a, ksplit, grid_y, dense_count, s);
+      break;
+  }
+  throw std::invalid_argument("expert_mma: stages " + std::to_string(a.stages)
+                              + " with " + std::to_string(CH) + " chunks (0, 4, or 8 with at most 2)");
 }
 
 template <bool GLU, int TT>
 void launch_for_chunks(const expert_mma_args& a, int ksplit, int grid_y, int dense_count,
                        cudaStream_t s) {
-  switch (chunks_for(a.k / ksplit, a.max_chunks)) {
-    case 4: return launch_mma<4, GLU, TT>(a, ksplit, grid_y, dense_count, s);
-    case 2: return launch_mma<2, GLU, TT>(a, ksplit, grid_y, dense_count, s);
-    case 1: return launch_mma<1, GLU, TT>(a, ksplit, grid_y, dense_count, s);
+  switch (lane_chunks(a, ksplit)) {
+    case 4: return launch_for_stages<4, GLU, TT>(a, ksplit, grid_y, dense_count, s);
+    case 2: return launch_for_stages<2, GLU, TT>(a, ksplit, grid_y, dense_count, s);
+    case 1: return launch_for_stages<1, GLU, TT>(a, ksplit, grid_y, dense_count, s);
   }
   throw std::invalid_argument("expert_mma: k " + std::to_string(a.k) + " over " +
                               std::to_string(ksplit) + " slices is not a multiple of 32");
@@ -282,10 +409,11 @@ void expert_mma(const expert_mma_args& a, int copies, int experts, int ksplit, v
   const int bound = copies < experts ? copies : experts;
   if (bound < 1)
     return;
+  const int grid_y = a.early ? experts : bound; // early: a block row per expert id
   if (a.glu)
-    launch_for_chunks<true, mma_token_tiles>(a, ksplit, bound, 0, as_stream(stream));
+    launch_for_chunks<true, mma_token_tiles>(a, ksplit, grid_y, 0, as_stream(stream));
   else
-    launch_for_chunks<false, mma_token_tiles>(a, ksplit, bound, 0, as_stream(stream));
+    launch_for_chunks<false, mma_token_tiles>(a, ksplit, grid_y, 0, as_stream(stream));
 }
 
 namespace {
