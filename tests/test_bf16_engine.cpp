@@ -284,7 +284,9 @@ TEST(Bf16Engine, AProgrammaticLaunchKnobThatIsNotZeroOrOneIsRefused) {
 // REFIT_EXPERT_MMA_KSPLIT one of the k-splits the kernel has, REFIT_EXPERT_MMA_CHUNKS one of its
 // register stagings, REFIT_EXPERT_MMA_EVICT_FIRST 0 or 1, REFIT_DENSE_MMA_MAX_ROWS a row count
 // up to 64, REFIT_DENSE_GEMV_MAX_ROWS up to 8, REFIT_FUSED_SAMPLING, REFIT_ROUTER_SPLIT and
-// REFIT_LOGITS_FP32, REFIT_RESIDUAL_FP32 and REFIT_ATTENTION_MMA 0 or 1.
+// REFIT_LOGITS_FP32, REFIT_RESIDUAL_FP32 and REFIT_ATTENTION_MMA 0 or 1, REFIT_EXPERT_MMA_STAGES
+// 0, 4 or 8, REFIT_EXPERT_MMA_EARLY 0 or 1, REFIT_ROUTER_MMA_MAX_ROWS up to 128 and
+// REFIT_ATTENTION_SPLITS up to 16.
 TEST(Bf16Engine, ExpertMmaKnobsOutsideTheirRangesAreRefusedNamingTheVariable) {
   expect_engine_knob("REFIT_EXPERT_MMA_MAX_COPIES", {"many", "-4", "4096 "}, " is not a count",
                      {"0", "4096"});
@@ -302,6 +304,13 @@ TEST(Bf16Engine, ExpertMmaKnobsOutsideTheirRangesAreRefusedNamingTheVariable) {
   expect_engine_knob("REFIT_LOGITS_FP32", {"fp32", "-1"}, " is not 0 or 1", {"0", "1"});
   expect_engine_knob("REFIT_RESIDUAL_FP32", {"2", "yes"}, " is not 0 or 1", {"0", "1"});
   expect_engine_knob("REFIT_ATTENTION_MMA", {"mma", "3"}, " is not 0 or 1", {"0", "1"});
+  expect_engine_knob("REFIT_EXPERT_MMA_STAGES", {"2", "16", "four"}, " is not 0, 4 or 8",
+                     {"0", "4", "8"});
+  expect_engine_knob("REFIT_EXPERT_MMA_EARLY", {"2", "early"}, " is not 0 or 1", {"0", "1"});
+  expect_engine_knob("REFIT_ROUTER_MMA_MAX_ROWS", {"129", "rows", "-1"},
+                     " is not a count of rows", {"0", "128"});
+  expect_engine_knob("REFIT_ATTENTION_SPLITS", {"17", "auto", "-2"}, " is not a count of splits",
+                     {"0", "1", "16"});
 }
 
 // The expert-GEMV tuning knob (REFIT_EXPERT_GEMV_MAX_COPIES) is a count of routed copies.

@@ -324,7 +324,7 @@ private:
   std::int64_t gemv_max_copies_ = 0;
   // Routed copies up to which a step uses the tensor-core expert kernel (expert_mma) instead of
   // the grouped GEMM (from gemv_max_copies_ on), its k-split (0: chosen per shape) and its
-  // register staging; REFIT_EXPERT_MMA_MAX_COPIES, REFIT_EXPERT_MMA_KSPLIT and
+  // chunks per lane and k-step; REFIT_EXPERT_MMA_MAX_COPIES, REFIT_EXPERT_MMA_KSPLIT and
   // REFIT_EXPERT_MMA_CHUNKS set them. 2048: decode up to batch 256 of a top-8 model (about 16
   // tokens per expert; the kernel takes 32 per pass over the weights), prefill on the GEMM.
   std::int64_t mma_max_copies_ = 2048;
@@ -345,10 +345,11 @@ private:
   // outweigh the weights).
   std::int64_t dense_gemv_max_rows_ = 0;
   std::int64_t dense_mma_max_rows_ = 16;
-  // Rows (the 2n of the split router input; at most 128) up to which the router takes the dense
-  // mode, in passes of 64 (REFIT_ROUTER_MMA_MAX_ROWS; 0: cuBLAS): its weights are small, its
-  // cuBLAS GEMM was latency (7.5 us a layer at batch 64 on an H200).
-  std::int64_t router_mma_max_rows_ = 128;
+  // Rows (the 2n of the split router input; at most 128, in passes of 64) up to which the router
+  // takes the dense mode (REFIT_ROUTER_MMA_MAX_ROWS; 0: cuBLAS). H200: at batch 16 (32 rows) it
+  // beats cuBLAS (12.72 vs 12.95 ms a step); at 64 (128 rows, two passes) it loses (19.38 vs
+  // 18.85).
+  std::int64_t router_mma_max_rows_ = 32;
   // Draws without top-k / top-p in one kernel (kernels::sample_plain) instead of the ATen chain
   // (REFIT_FUSED_SAMPLING=0|1).
   std::int64_t fused_sampling_ = 1;

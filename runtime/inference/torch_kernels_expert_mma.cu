@@ -2,7 +2,9 @@
 // few tokens per expert of a decode step, a GEMM shaped like a GEMV. Each warp streams 16 rows
 // of one expert's weights once (the A operand of mma.m16n8k16, bf16 in, fp32 sums) against
 // the expert's tokens in tiles of 8 (the B operand), so the weight bytes, not the tile shape,
-// set the time; gate/up pairs land in one thread and leave as silu(gate) * up.
+// set the time; gate/up pairs land in one thread and leave as silu(gate) * up. The weights
+// come through cp.async stages in shared memory (or two register stages), and may start
+// coming before the kernel ahead of this one has finished (expert_mma_args::early).
 #include "runtime/inference/torch_kernels.hpp"
 #include "runtime/inference/torch_kernels_common.cuh"
 
