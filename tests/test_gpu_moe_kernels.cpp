@@ -12,6 +12,7 @@
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -203,6 +204,43 @@ TEST(GpuMoeKernels, RouteF32AddsTheLowPartAndBreaksTiesToTheLowerId) {
 // blocks by expert id, the empty experts' leaving) the kernel tests run.
 const std::pair<int, bool> stagings[] = {{0, false}, {4, false}, {8, false}, {4, true}, {0, true}};
 
+// For every staging above, chunk count (4, 2, 1) and k-split (1..8) that `ksplit(ks)` takes
+// (returns ks), with a's fields set: `launch(ks)` into a bf16 y of y_elems first set to NaN,
+// every element written and within 0.02 (relative, +0.05) of `reference`; `runs` counts them.
+template <class Reference, class KSplit, class Launch>
+void check_every_staging(kernels::expert_mma_args& a, std::size_t y_elems,
+                         const std::vector<Reference>& reference, const std::string& shape,
+                         KSplit ksplit, Launch launch, int& runs) {
+  runs = 0;
+  for (const auto& [stages, early] : stagings)
+    for (const int chunks : {4, 2, 1})
+      for (int ks = 1; ks <= 8; ks *= 2) {
+        a.max_chunks = chunks;
+        a.stages = stages;
+        a.early = early;
+        if (ksplit(ks) != ks)
+          continue;
+        ++runs;
+        const std::string where = shape + " ksplit " + std::to_string(ks) + " chunks "
+                                  + std::to_string(chunks) + " stages " + std::to_string(stages)
+                                  + " early " + std::to_string(early);
+        device_vec<std::uint16_t> d_y(y_elems);
+        CUDA_OK(cudaMemset(d_y.p, 0xff, d_y.n * 2)); // NaN: an element left unwritten shows
+        a.y = d_y.p;
+        launch(ks);
+        CUDA_OK(cudaDeviceSynchronize());
+        const auto y = d_y.host();
+        double worst = 0;
+        for (std::size_t i = 0; i < y.size(); ++i) {
+          const double got = from_bf16(y[i]);
+          const double ref = reference[i];
+          ASSERT_TRUE(std::isfinite(got)) << "element " << i << " unwritten, " << where;
+          worst = std::max(worst, std::abs(got - ref) / (std::abs(ref) + 0.05));
+        }
+        EXPECT_LT(worst, 0.02) << where;
+      }
+}
+
 // x-row(p) . w[e]^T for the sorted copies, fp32 over the bf16 values; GLU: silu(gate) * up.
 std::vector<float> host_projection(const std::vector<std::uint16_t>& x,
                                    const std::vector<i64>* x_rows,
@@ -273,33 +311,15 @@ TEST(GpuMoeKernels, ExpertMmaMatchesTheHostReferenceAtEveryKSplit) {
     a.k = pc.k;
     a.glu = pc.glu;
     ASSERT_TRUE(kernels::expert_mma_supported(a)) << pc.rows << "x" << pc.k;
+    const std::string shape = "rows " + std::to_string(pc.rows) + " k " + std::to_string(pc.k)
+                              + " glu " + std::to_string(pc.glu);
     int splits_run = 0;
-    for (const auto& [stages, early] : stagings)
-    for (const int chunks : {4, 2, 1})
-      for (int ks = 1; ks <= 8; ks *= 2) {
-        a.max_chunks = chunks;
-        a.stages = stages;
-        a.early = early;
-        if (kernels::expert_mma_ksplit(a, copies, experts, ks) != ks)
-          continue;
-        ++splits_run;
-        device_vec<std::uint16_t> d_y(static_cast<std::size_t>(copies) * cols);
-        CUDA_OK(cudaMemset(d_y.p, 0xff, d_y.n * 2)); // NaN: a row left unwritten shows
-        a.y = d_y.p;
-        kernels::expert_mma(a, copies, experts, ks, nullptr);
-        CUDA_OK(cudaDeviceSynchronize());
-        const auto y = d_y.host();
-        double worst = 0;
-        for (std::size_t i = 0; i < y.size(); ++i) {
-          const double got = from_bf16(y[i]);
-          const double ref = reference[i];
-          ASSERT_TRUE(std::isfinite(got)) << "element " << i << " unwritten, ksplit " << ks;
-          worst = std::max(worst, std::abs(got - ref) / (std::abs(ref) + 0.05));
-        }
-        EXPECT_LT(worst, 0.02) << "rows " << pc.rows << " k " << pc.k << " glu " << pc.glu
-                               << " ksplit " << ks << " chunks " << chunks << " stages "
-                               << stages << " early " << early;
-      }
+    check_every_staging(
+      a, static_cast<std::size_t>(copies) * cols, reference, shape,
+      [&](int ks) { return kernels::expert_mma_ksplit(a, copies, experts, ks); },
+      [&](int ks) { kernels::expert_mma(a, copies, experts, ks, nullptr); }, splits_run);
+    if (HasFatalFailure())
+      return;
     EXPECT_GE(splits_run, 6) << "rows " << pc.rows << " k " << pc.k;
     const int automatic = kernels::expert_mma_ksplit(a, copies, experts, 0);
     EXPECT_TRUE(automatic == 1 || automatic == 2 || automatic == 4 || automatic == 8);
@@ -366,32 +386,15 @@ TEST(GpuMoeKernels, DenseMmaMatchesTheHostReferenceAtEveryRowCountAndKSplit) {
       a.w = d_w.p;
       a.rows = sh.rows;
       a.k = sh.k;
+      const std::string shape = "rows " + std::to_string(sh.rows) + " k " + std::to_string(sh.k)
+                                + " m " + std::to_string(m);
       int runs = 0;
-      for (const auto& [stages, early] : stagings)
-      for (const int chunks : {4, 2, 1})
-        for (int ks = 1; ks <= 8; ks *= 2) {
-          a.max_chunks = chunks;
-          a.stages = stages;
-          a.early = early;
-          if (kernels::dense_mma_ksplit(a, m, ks) != ks)
-            continue;
-          ++runs;
-          device_vec<std::uint16_t> d_y(static_cast<std::size_t>(m) * sh.rows);
-          CUDA_OK(cudaMemset(d_y.p, 0xff, d_y.n * 2)); // NaN: an element left unwritten shows
-          a.y = d_y.p;
-          kernels::dense_mma(a, m, ks, nullptr);
-          CUDA_OK(cudaDeviceSynchronize());
-          const auto y = d_y.host();
-          double worst = 0;
-          for (std::size_t i = 0; i < y.size(); ++i) {
-            const double got = from_bf16(y[i]);
-            ASSERT_TRUE(std::isfinite(got)) << "element " << i << " unwritten, m " << m;
-            worst = std::max(worst, std::abs(got - reference[i]) / (std::abs(reference[i]) + 0.05));
-          }
-          EXPECT_LT(worst, 0.02) << "rows " << sh.rows << " k " << sh.k << " m " << m
-                                 << " ksplit " << ks << " chunks " << chunks << " stages "
-                                 << stages << " early " << early;
-        }
+      check_every_staging(
+        a, static_cast<std::size_t>(m) * sh.rows, reference, shape,
+        [&](int ks) { return kernels::dense_mma_ksplit(a, m, ks); },
+        [&](int ks) { kernels::dense_mma(a, m, ks, nullptr); }, runs);
+      if (HasFatalFailure())
+        return;
       EXPECT_GE(runs, 6) << "rows " << sh.rows << " k " << sh.k << " m " << m;
       // fp32 output (the router's logits): the accumulators themselves, no bf16 rounding (that
       // alone would be ~4e-3 of a value).

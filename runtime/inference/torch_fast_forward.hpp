@@ -199,6 +199,11 @@ private:
   // does not fit, no CUDA).
   at::Tensor dense_mma(const at::Tensor& x, const at::Tensor& w, bool f32,
                        std::int64_t max_rows = -1) const;
+#if defined(REFIT_TORCH_CUDA)
+  // expert_mma_args with the knobs' staging set (chunks, L2 policy, stages, early start): what
+  // the expert projections and the dense mode share.
+  kernels::expert_mma_args tuned_mma_args() const;
+#endif
 
   at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) const;
 

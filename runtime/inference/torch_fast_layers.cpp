@@ -380,7 +380,7 @@ at::Tensor fast_rank_forward::expert_projections(const layer_tensors& w, const a
 #if defined(REFIT_TORCH_CUDA)
   if (fused_ && active.defined() && copies <= mma_max_copies_ && copies > gemv_max_copies_
       && streamable(h) && streamable(w.w13) && streamable(w.w2)) {
-    kernels::expert_mma_args up, down;
+    kernels::expert_mma_args up = tuned_mma_args(), down = up;
     up.x = h.data_ptr();
     up.x_rows = src_token.data_ptr<std::int64_t>();
     up.w = w.w13.data_ptr();
@@ -391,11 +391,8 @@ at::Tensor fast_rank_forward::expert_projections(const layer_tensors& w, const a
     down.rows = static_cast<int>(w.w2.size(1));
     down.k = static_cast<int>(w.w2.size(2));
     for (kernels::expert_mma_args* a : {&up, &down}) {
-      a->max_chunks = static_cast<int>(mma_chunks_);
-      a->evict_first = mma_evict_first_ != 0;
-      a->stages = static_cast<int>(mma_stages_);
       // By expert id once nearly every expert is routed (4 copies an expert: ~2% empty).
-      a->early = mma_early_ != 0 && copies >= 4 * experts_;
+      a->early = a->early && copies >= 4 * experts_;
       a->active = active.data_ptr<int>();
       a->active_count = active.data_ptr<int>() + experts_;
       a->counts = counts.data_ptr<std::int64_t>();

@@ -9,6 +9,17 @@ bool streamable(const at::Tensor& t) {
          && reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16 == 0;
 }
 
+#if defined(REFIT_TORCH_CUDA)
+kernels::expert_mma_args fast_rank_forward::tuned_mma_args() const {
+  kernels::expert_mma_args a;
+  a.max_chunks = static_cast<int>(mma_chunks_);
+  a.evict_first = mma_evict_first_ != 0;
+  a.stages = static_cast<int>(mma_stages_);
+  a.early = mma_early_ != 0;
+  return a;
+}
+#endif
+
 // The dense mode of the tensor-core kernel for x [m, k] . w [n, k]^T, bf16 or fp32 out (every
 // weight row streamed once); undefined when it is off or does not fit the shape.
 at::Tensor fast_rank_forward::dense_mma(const at::Tensor& x, const at::Tensor& w, bool f32,
@@ -16,15 +27,11 @@ at::Tensor fast_rank_forward::dense_mma(const at::Tensor& x, const at::Tensor& w
 #if defined(REFIT_TORCH_CUDA)
   if (fused_ && x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && streamable(x)
       && streamable(w) && x.size(0) <= (max_rows < 0 ? dense_mma_max_rows_ : max_rows)) {
-    kernels::expert_mma_args a;
+    kernels::expert_mma_args a = tuned_mma_args();
     a.x = x.data_ptr();
     a.w = w.data_ptr();
     a.rows = static_cast<int>(w.size(0));
     a.k = static_cast<int>(x.size(1));
-    a.max_chunks = static_cast<int>(mma_chunks_);
-    a.evict_first = mma_evict_first_ != 0;
-    a.stages = static_cast<int>(mma_stages_);
-    a.early = mma_early_ != 0;
     a.y_f32 = f32;
     const auto m = static_cast<int>(x.size(0));
     if (const int ks = kernels::dense_mma_ksplit(a, m, 0); ks > 0) {

@@ -76,6 +76,10 @@ __device__ __forceinline__ void mma_stage(const bf16* const (&xr)[TT], int off, 
   }
 }
 
+// One stage of a warp's ring: CH chunks of its two rows for each of the 32 lanes, in uint4s.
+template <int CH>
+constexpr int stage_uint4s = CH * 2 * 32;
+
 // The same k-iteration's chunks copied to shared memory (cp.async, no registers held while in
 // flight): lane l's chunk (c, row r) of a stage sits at uint4 ((c * 2 + r) * 32 + l) of the
 // stage's slot, so each lane reads back only what it wrote (no barrier; 512 contiguous bytes a
@@ -113,7 +117,7 @@ __device__ __forceinline__ void prefetch_stages(uint4* ring, const bf16* wa, con
 #pragma unroll
   for (int s = 0; s < S; ++s) {
     if (s < iters)
-      copy_stage<CH>(ring + s * (CH * 2 * 32), wa, wb, lane_k + s * 32 * CH, policy);
+      copy_stage<CH>(ring + s * stage_uint4s<CH>, wa, wb, lane_k + s * 32 * CH, policy);
     asm volatile("cp.async.commit_group;" ::: "memory");
   }
 }
@@ -143,11 +147,10 @@ __device__ __forceinline__ void weight_pass(const bf16* const (&xr)[TT], int til
         mma_stage<CH, TT>(xr, off + 32 * CH, tiles, sa[1], sb[1], acc);
     }
   } else {
-    constexpr int slot_size = CH * 2 * 32; // uint4s
     if (!prefetched)
       prefetch_stages<CH, S>(ring, wa, wb, lane_k, iters, policy);
     for (int it = 0; it < iters; ++it) {
-      uint4* slot = ring + (it % S) * slot_size;
+      uint4* slot = ring + (it % S) * stage_uint4s<CH>;
       asm volatile("cp.async.wait_group %0;" ::"n"(S - 1) : "memory"); // stage `it` landed
       uint4 a[CH], b[CH];
       read_stage<CH>(slot, a, b);
@@ -162,12 +165,12 @@ __device__ __forceinline__ void weight_pass(const bf16* const (&xr)[TT], int til
 
 // Dynamic shared memory of a block: S stages of the 8 warps' rings, then the k-split partial
 // sums (ksplit > 1).
-template <int CH, int TT, int S>
-constexpr int ring_bytes = S * mma_warps * CH * 2 * 32 * 16;
+template <int CH, int S>
+constexpr int ring_bytes = S * mma_warps * stage_uint4s<CH> * 16;
 
 template <int CH, int TT, int S>
 int mma_smem_bytes(int ksplit) {
-  return ring_bytes<CH, TT, S> + (ksplit > 1 ? mma_reduce_floats<TT> * 4 : 0);
+  return ring_bytes<CH, S> + (ksplit > 1 ? mma_reduce_floats<TT> * 4 : 0);
 }
 
 // A dot product may take its k in any order, if A and B take it alike. Thread t of a row group
@@ -176,9 +179,9 @@ int mma_smem_bytes(int ksplit) {
 // token's row; chunk (e0..e7) feeds two MMAs, (e0 e1 | e2 e3) as the virtual columns
 // (2t, 2t+1 | 2t+8, 2t+9) and (e4 e5 | e6 e7) likewise, for A and for B.
 //
-// Block (x, y): the y-th non-empty expert (active; early: expert y), warp tiles x * row_warps .. + row_warps
-// (row_warps = 8 / ksplit), each tile's k split over ksplit warps (partial sums added through
-// shared memory, in slice order: deterministic).
+// Block (x, y): the y-th non-empty expert (active; early: expert y), warp tiles x * row_warps
+// .. + row_warps (row_warps = 8 / ksplit), each tile's k split over ksplit warps (partial sums
+// added through shared memory, in slice order: deterministic).
 // GLU: tile r holds gate rows 8r..8r+7 (A rows 0..7) and their up rows rows / 2 + 8r.. (A
 // rows 8..15) of w [e, rows, k]; y [m, rows / 2] = silu(gate) * up. Else tile r holds rows
 // 16r..16r+15 of w [e, rows, k]; y [m, rows].
@@ -202,7 +205,7 @@ __global__ void __launch_bounds__(mma_warps * 32, CH >= 4 && S == 0 ? 1 : 2)
   if (!early)
     pdl_enter();
   extern __shared__ uint4 mma_smem[];
-  float* partial = reinterpret_cast<float*>(mma_smem + ring_bytes<CH, TT, S> / 16);
+  float* partial = reinterpret_cast<float*>(mma_smem + ring_bytes<CH, S> / 16);
   bf16* y = static_cast<bf16*>(y_out);
   float* yf = static_cast<float*>(y_out); // y_f32 (no GLU)
   int e = 0, count = dense_count, first = 0;
@@ -231,7 +234,7 @@ __global__ void __launch_bounds__(mma_warps * 32, CH >= 4 && S == 0 ? 1 : 2)
   const int lane_k = wk * span + t * 8;
   const int iters = span / (32 * CH);
   const unsigned long long policy = stream_policy(evict_first);
-  uint4* ring = mma_smem + warp * (S * CH * 2 * 32) + lane;
+  uint4* ring = mma_smem + warp * (S * stage_uint4s<CH>) + lane;
   if (early) {
     if constexpr (S > 0)
       if (live)
