@@ -205,8 +205,10 @@ TEST(GpuMoeKernels, RouteF32AddsTheLowPartAndBreaksTiesToTheLowerId) {
 const std::pair<int, bool> stagings[] = {{0, false}, {4, false}, {8, false}, {4, true}, {0, true}};
 
 // For every staging above, chunk count (4, 2, 1) and k-split (1..8) that `ksplit(ks)` takes
-// (returns ks), with a's fields set: `launch(ks)` into a bf16 y of y_elems first set to NaN,
-// every element written and within 0.02 (relative, +0.05) of `reference`; `runs` counts them.
+// (returns ks), and at k-split 1 for runs of 1, 2 and 3 tiles a warp (expert_mma_args::tiles:
+// the last warp's run cut short where the tiles do not divide), with a's fields set:
+// `launch(ks)` into a bf16 y of y_elems first set to NaN, every element written and within 0.02
+// (relative, +0.05) of `reference`; `runs` counts them.
 template <class Reference, class KSplit, class Launch>
 void check_every_staging(kernels::expert_mma_args& a, std::size_t y_elems,
                          const std::vector<Reference>& reference, const std::string& shape,
@@ -214,31 +216,34 @@ void check_every_staging(kernels::expert_mma_args& a, std::size_t y_elems,
   runs = 0;
   for (const auto& [stages, early] : stagings)
     for (const int chunks : {4, 2, 1})
-      for (int ks = 1; ks <= 8; ks *= 2) {
-        a.max_chunks = chunks;
-        a.stages = stages;
-        a.early = early;
-        if (ksplit(ks) != ks)
-          continue;
-        ++runs;
-        const std::string where = shape + " ksplit " + std::to_string(ks) + " chunks "
-                                  + std::to_string(chunks) + " stages " + std::to_string(stages)
-                                  + " early " + std::to_string(early);
-        device_vec<std::uint16_t> d_y(y_elems);
-        CUDA_OK(cudaMemset(d_y.p, 0xff, d_y.n * 2)); // NaN: an element left unwritten shows
-        a.y = d_y.p;
-        launch(ks);
-        CUDA_OK(cudaDeviceSynchronize());
-        const auto y = d_y.host();
-        double worst = 0;
-        for (std::size_t i = 0; i < y.size(); ++i) {
-          const double got = from_bf16(y[i]);
-          const double ref = reference[i];
-          ASSERT_TRUE(std::isfinite(got)) << "element " << i << " unwritten, " << where;
-          worst = std::max(worst, std::abs(got - ref) / (std::abs(ref) + 0.05));
+      for (int ks = 1; ks <= 8; ks *= 2)
+        for (const int tiles : {1, 2, 3}) {
+          a.max_chunks = chunks;
+          a.stages = stages;
+          a.early = early;
+          a.tiles = tiles;
+          if ((tiles > 1 && ks > 1) || ksplit(ks) != ks)
+            continue;
+          ++runs;
+          const std::string where = shape + " ksplit " + std::to_string(ks) + " chunks "
+                                    + std::to_string(chunks) + " stages " + std::to_string(stages)
+                                    + " early " + std::to_string(early) + " tiles "
+                                    + std::to_string(tiles);
+          device_vec<std::uint16_t> d_y(y_elems);
+          CUDA_OK(cudaMemset(d_y.p, 0xff, d_y.n * 2)); // NaN: an element left unwritten shows
+          a.y = d_y.p;
+          launch(ks);
+          CUDA_OK(cudaDeviceSynchronize());
+          const auto y = d_y.host();
+          double worst = 0;
+          for (std::size_t i = 0; i < y.size(); ++i) {
+            const double got = from_bf16(y[i]);
+            const double ref = reference[i];
+            ASSERT_TRUE(std::isfinite(got)) << "element " << i << " unwritten, " << where;
+            worst = std::max(worst, std::abs(got - ref) / (std::abs(ref) + 0.05));
+          }
+          EXPECT_LT(worst, 0.02) << where;
         }
-        EXPECT_LT(worst, 0.02) << where;
-      }
 }
 
 // x-row(p) . w[e]^T for the sorted copies, fp32 over the bf16 values; GLU: silu(gate) * up.
@@ -326,8 +331,8 @@ TEST(GpuMoeKernels, ExpertMmaMatchesTheHostReferenceAtEveryKSplit) {
   }
 }
 
-// A k-split that does not divide the shape, or is not a power of two up to 8, is refused,
-// naming it; nothing is launched.
+// A k-split that does not divide the shape, or is not a power of two up to 8, and a run of
+// tiles a warp outside 1..max_expert_mma_tiles are refused, naming them; nothing is launched.
 TEST(GpuMoeKernels, AnExpertMmaSplitThatDoesNotDivideTheShapeIsRefused) {
   REQUIRE_GPUS(1);
   struct refused {
@@ -348,6 +353,20 @@ TEST(GpuMoeKernels, AnExpertMmaSplitThatDoesNotDivideTheShapeIsRefused) {
     } catch (const std::invalid_argument& e) {
       EXPECT_NE(std::string(e.what()).find("ksplit " + std::to_string(r.ksplit)),
                 std::string::npos)
+        << e.what();
+    }
+  }
+  for (const int tiles : {0, kernels::max_expert_mma_tiles + 1}) { // a warp's run of tiles
+    kernels::expert_mma_args a;
+    a.rows = 64;
+    a.k = 128;
+    a.tiles = tiles;
+    EXPECT_FALSE(kernels::expert_mma_supported(a)) << tiles << " tiles";
+    try {
+      kernels::expert_mma(a, 8, 8, 1, nullptr);
+      ADD_FAILURE() << tiles << " tiles accepted";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(std::to_string(tiles) + " tiles"), std::string::npos)
         << e.what();
     }
   }

@@ -3,7 +3,8 @@
 // uniform top-k routing (seeded), the counting sort once, then gate_up + down of every layer of
 // a ring of distinct layers (larger than L2) through the tensor-core kernel (expert_mma) at
 // each k-split and register staging (path "mma [auto] <ksplit up>/<ksplit down> c<chunks>",
-// the weights streamed with an L2 evict-first policy; "... l2-normal" without it), and the
+// the weights streamed with an L2 evict-first policy; "... l2-normal" without it; "... t<up>/
+// <down>": a warp streams that many tiles of gate_up / down in one pipeline), and the
 // expert GEMV path (gemv + SiLU + gemv) where it applies. The bytes are
 // the non-empty experts' weights; `ratio` = bytes / time / copy bound (read + write).
 //
@@ -210,6 +211,7 @@ int main(int argc, char** argv) try {
       bool evict_first;   // the weight stream's L2 policy
       int stages;         // expert_mma_args::stages
       bool early;         // expert_mma_args::early
+      int up_tiles = 1, down_tiles = 1; // expert_mma_args::tiles of gate_up and down
     };
     std::vector<variant> variants;
     for (const int stages : {0, 4, 8})
@@ -221,8 +223,16 @@ int main(int argc, char** argv) try {
       variants.push_back({chunks, 0, false, 4, false});
       variants.push_back({chunks, 0, true, 4, true});
     }
-    for (const auto& [chunks, wanted, evict_first, stages, early] : variants) {
+    // A warp's run of tiles in one stream (the engine's staging: 2 chunks, 4 stages, early).
+    for (const auto& [up_tiles, down_tiles] :
+         {std::pair{1, 2}, std::pair{1, 4}, std::pair{1, 8}, std::pair{2, 1}, std::pair{3, 1},
+          std::pair{4, 1}, std::pair{2, 2}, std::pair{2, 4}, std::pair{3, 4}, std::pair{4, 4}})
+      variants.push_back({2, 0, true, 4, true, up_tiles, down_tiles});
+    for (const auto& [chunks, wanted, evict_first, stages, early, up_tiles, down_tiles] :
+         variants) {
       kernels::expert_mma_args up, down;
+      up.tiles = up_tiles;
+      down.tiles = down_tiles;
       up.max_chunks = down.max_chunks = chunks;
       up.evict_first = down.evict_first = evict_first;
       up.stages = down.stages = stages;
@@ -252,7 +262,10 @@ int main(int argc, char** argv) try {
       measure(std::string(wanted == 0 ? "mma auto " : "mma ") + std::to_string(ks_up) + "/"
                 + std::to_string(ks_down) + " c" + std::to_string(chunks) + " s"
                 + std::to_string(stages) + (evict_first ? "" : " l2-normal")
-                + (early ? " early" : ""),
+                + (early ? " early" : "")
+                + (up_tiles > 1 || down_tiles > 1 ? " t" + std::to_string(up_tiles) + "/"
+                                                        + std::to_string(down_tiles)
+                                                  : ""),
               [&](int l) {
                 up.w = w13[static_cast<std::size_t>(l)].p;
                 down.w = w2[static_cast<std::size_t>(l)].p;

@@ -342,6 +342,11 @@ private:
   // expert_mma_args::early (REFIT_EXPERT_MMA_EARLY): the first weight stages copied before the
   // wait for the kernel before (the experts by id from 4 routed copies an expert on).
   std::int64_t mma_early_ = 1;
+  // expert_mma_args::tiles of gate_up and of down (REFIT_EXPERT_MMA_UP_TILES,
+  // REFIT_EXPERT_MMA_DOWN_TILES: 1, 2, 3, 4 or 8): the 16-row tiles a warp streams in one
+  // pipeline when the k is not split.
+  std::int64_t mma_up_tiles_ = 1;
+  std::int64_t mma_down_tiles_ = 1;
   // Rows up to which qkv, o_proj and the router take the dense GEMV (REFIT_DENSE_GEMV_MAX_ROWS,
   // at most 8), then the tensor-core kernel (dense_mma) instead of cuBLAS
   // (REFIT_DENSE_MMA_MAX_ROWS, at most 64; 0: off).

@@ -148,7 +148,12 @@ struct expert_mma_args {
   // expert id over all `experts` (an empty expert's leave after the wait; worth it when nearly
   // every expert is routed) instead of over the non-empty list. The dense mode takes it too.
   bool early = false;
+  // Weight tiles (16 rows) a warp streams one after the other in one pipeline, 1..
+  // max_expert_mma_tiles (k-split 1 only; a k-split takes one): fewer pipeline ramps per byte
+  // when a tile is short (the down projection: 16 x 768), fewer and longer blocks.
+  int tiles = 1;
 };
+inline constexpr int max_expert_mma_tiles = 8;
 bool expert_mma_supported(const expert_mma_args& args);
 int expert_mma_ksplit(const expert_mma_args& args, int copies, int experts, int wanted);
 void expert_mma(const expert_mma_args& args, int copies, int experts, int ksplit, void* stream);
