@@ -200,6 +200,81 @@ TEST(GpuMoeKernels, RouteF32AddsTheLowPartAndBreaksTiesToTheLowerId) {
   }
 }
 
+// The router and the routing in one launch (router_route) against the host: logits (hi + lo) . w
+// in double, the top k with their softmax weights (renormalized); a chosen expert may differ
+// from the host's only where their logits tie within fp32 rounding. Token counts that are and
+// are not multiples of the 8-token groups, with and without the lo rows, the same counters
+// reused (left zero by each launch), experts that tie exactly (equal weight rows: lower ids).
+TEST(GpuMoeKernels, RouterRouteMatchesTheHostAndLeavesItsCountersZero) {
+  REQUIRE_GPUS(1);
+  const int h = 2048, top_k = 8;
+  device_vec<int> counters(std::vector<int>(kernels::router_route_max_groups, 0));
+  for (const int experts : {128, 64})
+    for (const int n : {1, 13, 64, 512})
+      for (const bool with_lo : {true, false})
+        for (const bool ties : {false, true}) {
+          const std::string where = "experts " + std::to_string(experts) + " n " +
+                                    std::to_string(n) + " lo " + std::to_string(with_lo) +
+                                    " ties " + std::to_string(ties);
+          ASSERT_TRUE(kernels::router_route_supported(n, experts, top_k, h)) << where;
+          const auto hi = random_bf16(static_cast<std::size_t>(n) * h, 3 + n, 1.0f);
+          const auto lo = random_bf16(static_cast<std::size_t>(n) * h, 4 + n, 1.0f / 256);
+          auto w = random_bf16(static_cast<std::size_t>(experts) * h, 5 + experts, 0.05f);
+          if (ties) // expert e's row is expert (e % 8)'s: every logit in a run of equal ones
+            for (int e = 8; e < experts; ++e)
+              std::copy_n(w.begin() + (e % 8) * h, h, w.begin() + static_cast<std::ptrdiff_t>(e) * h);
+          device_vec<std::uint16_t> d_hi(hi), d_lo(lo), d_w(w);
+          device_vec<float> logits(static_cast<std::size_t>(n) * experts);
+          device_vec<i64> ids(static_cast<std::size_t>(n) * top_k);
+          device_vec<float> weights(static_cast<std::size_t>(n) * top_k);
+          kernels::router_route(d_hi.p, with_lo ? d_lo.p : nullptr, d_w.p, n, experts, h, top_k,
+                                true, logits.p, counters.p, ids.p, weights.p, nullptr);
+          CUDA_OK(cudaDeviceSynchronize());
+          const auto got_ids = ids.host();
+          const auto got_w = weights.host();
+          for (const int c : counters.host())
+            ASSERT_EQ(c, 0) << where;
+          for (int t = 0; t < n; ++t) {
+            std::vector<double> v(static_cast<std::size_t>(experts));
+            for (int e = 0; e < experts; ++e) {
+              double dot = 0;
+              for (int k = 0; k < h; ++k) {
+                const std::size_t at = static_cast<std::size_t>(t) * h + k;
+                dot += (double(from_bf16(hi[at])) + (with_lo ? from_bf16(lo[at]) : 0.0))
+                       * from_bf16(w[static_cast<std::size_t>(e) * h + k]);
+              }
+              v[static_cast<std::size_t>(e)] = dot;
+            }
+            const std::vector<int> rank = ranked(v);
+            const double mx = v[static_cast<std::size_t>(rank[0])];
+            double kept = 0;
+            for (int j = 0; j < top_k; ++j)
+              kept += std::exp(v[static_cast<std::size_t>(rank[static_cast<std::size_t>(j)])] - mx);
+            for (int j = 0; j < top_k; ++j) {
+              const std::size_t at = static_cast<std::size_t>(t * top_k + j);
+              const int want = rank[static_cast<std::size_t>(j)];
+              const i64 got = got_ids[at];
+              ASSERT_TRUE(got >= 0 && got < experts) << where;
+              if (ties) // the runs tie exactly: the lowest ids of the best run, in order
+                EXPECT_EQ(got, want) << where << " token " << t << " choice " << j;
+              else
+                EXPECT_NEAR(v[static_cast<std::size_t>(got)], v[static_cast<std::size_t>(want)], 1e-4)
+                  << where << " token " << t << " choice " << j;
+              EXPECT_NEAR(got_w[at], std::exp(v[static_cast<std::size_t>(got)] - mx) / kept, 1e-4)
+                << where << " token " << t << " choice " << j;
+            }
+          }
+        }
+  try {
+    kernels::router_route(nullptr, nullptr, nullptr, 8, 128, 2000, 8, true, nullptr, counters.p,
+                          nullptr, nullptr, nullptr);
+    ADD_FAILURE() << "hidden 2000 accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("hidden 2000"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(kernels::router_route_supported(8 * kernels::router_route_max_groups + 1, 128, 8, 2048));
+}
+
 // The weight stagings (expert_mma_args::stages) and early starts (expert_mma_args::early: the
 // blocks by expert id, the empty experts' leaving) the kernel tests run.
 const std::pair<int, bool> stagings[] = {{0, false}, {4, false}, {8, false}, {4, true}, {0, true}};

@@ -318,6 +318,8 @@ private:
   at::Tensor cos_, sin_;
   std::int64_t rope_positions_ = 0;
   at::Tensor expert_loads_;
+  // kernels::router_route's group counters (int [router_route_max_groups], kept zero by it).
+  at::Tensor router_counters_;
   forward_counters counters_;
   bool graphs_enabled_ = false;
   bool device_comm_ = false;            // tp > 1 on a GPU with a device comm (NCCL)
@@ -360,6 +362,9 @@ private:
   // beats cuBLAS (12.72 vs 12.95 ms a step); at 64 (128 rows, two passes) it loses (19.38 vs
   // 18.85).
   std::int64_t router_mma_max_rows_ = 32;
+  // The router GEMM and the routing in one kernel (kernels::router_route; REFIT_FUSED_ROUTER=0|1)
+  // instead of a GEMM (dense mode or cuBLAS) and route_f32.
+  std::int64_t fused_router_ = 1;
   // Draws without top-k / top-p in one kernel (kernels::sample_plain) instead of the ATen chain
   // (REFIT_FUSED_SAMPLING=0|1).
   std::int64_t fused_sampling_ = 1;
