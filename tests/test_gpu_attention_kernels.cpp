@@ -1,8 +1,8 @@
-// The bf16 engine's paged decode attention on a GPU (label gpu), alone: the tensor-core kernel
-// and the CUDA-core one against a host reference (fp64 over the same bf16 q / K / V) over
-// shuffled block tables, lengths inside one block, across block boundaries and one past a tile
-// of 32, one and several splits, at head_dim 64 and 128 and groups 1 to 16, the cache of the
-// second of two layers.
+// The bf16 engine's paged decode attention on a GPU (label gpu), alone: its three kernels (mode
+// 0 on CUDA cores, 1 and 2 on the tensor cores) against a host reference (fp64 over the same
+// bf16 q / K / V) over shuffled block tables, lengths inside one block, across block boundaries
+// and one past a tile of 32, one and several splits, at head_dim 64 and 128 and groups 1 to 16
+// (group 16 always on CUDA cores), the cache of the second of two layers.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -31,7 +31,7 @@ struct attention_case {
 
 // Batch of four sequences: lengths 1, 16 (one whole block), 33 (a tile and one) and 200
 // (13 blocks); hkv 2, block size 16, two layers (the second one's K/V read).
-TEST(GpuAttentionKernels, DecodeAttentionMatchesTheHostReferenceOnBothKernels) {
+TEST(GpuAttentionKernels, DecodeAttentionMatchesTheHostReferenceOnEveryKernel) {
   REQUIRE_GPUS(1);
   const int hkv = 2, block = 16, layers = 2, layer = 1;
   const std::vector<i64> lengths = {1, 16, 33, 200};
@@ -90,14 +90,14 @@ TEST(GpuAttentionKernels, DecodeAttentionMatchesTheHostReferenceOnBothKernels) {
     kv.part_elems = part;
     kv.layer_offset = layer * 2 * part;
     kv.block_size = block;
-    for (const bool tensor_cores : {true, false})
+    for (const int mode : {0, 1, 2})
       for (const int splits : {1, 3, 16}) {
         device_vec<std::uint16_t> out(reference.size());
         CUDA_OK(cudaMemset(out.p, 0xff, out.n * 2)); // NaN: an element left unwritten shows
         device_vec<float> partial(static_cast<std::size_t>(b) * hq * splits * (d + 2));
         kernels::decode_attention(d_q.p, kv, d_table.p, width, d_lengths.p, out.p,
                                   splits > 1 ? partial.p : nullptr, splits, b, hq, hkv, d,
-                                  nullptr, tensor_cores);
+                                  nullptr, mode);
         CUDA_OK(cudaDeviceSynchronize());
         const auto got = out.host();
         double worst = 0;
@@ -107,12 +107,12 @@ TEST(GpuAttentionKernels, DecodeAttentionMatchesTheHostReferenceOnBothKernels) {
           worst = std::max(worst, std::abs(g - reference[i]) / (std::abs(reference[i]) + 0.05));
         }
         EXPECT_LT(worst, 0.02) << "d " << d << " group " << c.group << " splits " << splits
-                               << (tensor_cores ? " tensor cores" : " CUDA cores");
+                               << " mode " << mode;
       }
   }
 }
 
-// Unsupported shapes and split counts are refused, naming them.
+// Unsupported shapes, split counts and modes are refused, naming them.
 TEST(GpuAttentionKernels, UnsupportedShapesAndSplitsAreRefused) {
   REQUIRE_GPUS(1);
   EXPECT_FALSE(kernels::decode_attention_supported(96, 8));
@@ -125,6 +125,13 @@ TEST(GpuAttentionKernels, UnsupportedShapesAndSplitsAreRefused) {
     ADD_FAILURE() << "two splits without a partial buffer accepted";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("2 splits"), std::string::npos) << e.what();
+  }
+  try {
+    kernels::decode_attention(nullptr, kv, nullptr, 1, nullptr, nullptr, nullptr, 1, 1, 8, 1,
+                              128, nullptr, 3);
+    ADD_FAILURE() << "mode 3 accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("mode 3"), std::string::npos) << e.what();
   }
   EXPECT_GE(kernels::decode_attention_splits(1, 4), 1);
   EXPECT_LE(kernels::decode_attention_splits(1, 4), kernels::max_attention_splits);

@@ -51,14 +51,16 @@ void set_programmatic_launch(bool on);
 // partial results (partial: fp32 [b, hq, splits, d + 2]) merged by a second kernel; splits 1
 // needs no partial buffer and no merge. decode_attention_splits(b, hkv) is the count for batch
 // b on the current device (~2 blocks per SM, at most max_attention_splits): it depends only on
-// b, so a CUDA graph captured at b splits as the eager step does. tensor_cores: the mma kernel
-// for groups up to 8 (torch_kernels_attention.cu), else (and for group 16) the CUDA-core one.
+// b, so a CUDA graph captured at b splits as the eager step does. mode (kernels in
+// torch_kernels_attention.cu): 0 CUDA cores; 1 tensor cores, heads as the mma rows; 2 tensor
+// cores with O transposed (head dims as the mma rows, K and V staged in shared memory). Group
+// 16 always runs on CUDA cores; any other mode throws std::invalid_argument.
 inline constexpr int max_attention_splits = 16;
 bool decode_attention_supported(int d, int group);
 int decode_attention_splits(int b, int hkv);
 void decode_attention(const void* q, kv_target kv, const std::int64_t* table, int width,
                       const std::int64_t* lengths, void* out, float* partial, int splits, int b,
-                      int hq, int hkv, int d, void* stream, bool tensor_cores = true);
+                      int hq, int hkv, int d, void* stream, int mode = 1);
 
 // Router: logits bf16 [n, e] -> softmax (fp32) -> the top_k experts (ties: lower id), their
 // probabilities renormalized when `renormalize`: ids int64 [n, top_k], weights fp32 [n, top_k].
