@@ -284,8 +284,8 @@ TEST(Bf16Engine, AProgrammaticLaunchKnobThatIsNotZeroOrOneIsRefused) {
 // REFIT_EXPERT_MMA_KSPLIT one of the k-splits the kernel has, REFIT_EXPERT_MMA_CHUNKS one of its
 // register stagings, REFIT_EXPERT_MMA_EVICT_FIRST 0 or 1, REFIT_DENSE_MMA_MAX_ROWS a row count
 // up to 64, REFIT_DENSE_GEMV_MAX_ROWS up to 8, REFIT_FUSED_SAMPLING, REFIT_FUSED_ROUTER,
-// REFIT_ROUTER_SPLIT, REFIT_LOGITS_FP32, REFIT_RESIDUAL_FP32 and REFIT_ATTENTION_MMA 0 or 1,
-// REFIT_EXPERT_MMA_STAGES 0, 4 or 8, REFIT_EXPERT_MMA_EARLY 0 or 1,
+// REFIT_ROUTER_SPLIT, REFIT_LOGITS_FP32 and REFIT_RESIDUAL_FP32 0 or 1, REFIT_ATTENTION_MMA 0,
+// 1 or 2, REFIT_EXPERT_MMA_STAGES 0, 4 or 8, REFIT_EXPERT_MMA_EARLY 0 or 1,
 // REFIT_ROUTER_MMA_MAX_ROWS up to 128, REFIT_ATTENTION_SPLITS up to 16 and
 // REFIT_EXPERT_MMA_UP_TILES / _DOWN_TILES 1, 2, 3, 4 or 8.
 TEST(Bf16Engine, ExpertMmaKnobsOutsideTheirRangesAreRefusedNamingTheVariable) {
@@ -305,7 +305,7 @@ TEST(Bf16Engine, ExpertMmaKnobsOutsideTheirRangesAreRefusedNamingTheVariable) {
   expect_engine_knob("REFIT_ROUTER_SPLIT", {"2", "split"}, " is not 0 or 1", {"0", "1"});
   expect_engine_knob("REFIT_LOGITS_FP32", {"fp32", "-1"}, " is not 0 or 1", {"0", "1"});
   expect_engine_knob("REFIT_RESIDUAL_FP32", {"2", "yes"}, " is not 0 or 1", {"0", "1"});
-  expect_engine_knob("REFIT_ATTENTION_MMA", {"mma", "3"}, " is not 0 or 1", {"0", "1"});
+  expect_engine_knob("REFIT_ATTENTION_MMA", {"mma", "3"}, " is not 0, 1 or 2", {"0", "1", "2"});
   expect_engine_knob("REFIT_EXPERT_MMA_STAGES", {"2", "16", "four"}, " is not 0, 4 or 8",
                      {"0", "4", "8"});
   expect_engine_knob("REFIT_EXPERT_MMA_EARLY", {"2", "early"}, " is not 0 or 1", {"0", "1"});

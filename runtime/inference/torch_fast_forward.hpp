@@ -378,8 +378,9 @@ private:
   // o_proj and the routed experts' down projection leave their fp32 accumulators into the fp32
   // residual stream instead of bf16 (fused kernels, TP 1; REFIT_RESIDUAL_FP32=0|1).
   std::int64_t residual_fp32_ = 1;
-  // Decode attention on the tensor cores (groups up to 8) instead of CUDA cores
-  // (REFIT_ATTENTION_MMA=0|1).
+  // Decode attention's kernel (REFIT_ATTENTION_MMA, kernels::decode_attention's mode): 0 CUDA
+  // cores, 1 tensor cores with the heads as rows, 2 tensor cores with O transposed (groups up to
+  // 8; group 16 takes CUDA cores).
   std::int64_t attention_mma_ = 1;
   // Decode attention's splits of each sequence (REFIT_ATTENTION_SPLITS, at most 16); 0: chosen
   // from the batch (decode_attention_splits).
