@@ -6,7 +6,8 @@
 // the weights streamed with an L2 evict-first policy; "... l2-normal" without it; "... t<up>/
 // <down>": a warp streams that many tiles of gate_up / down in one pipeline), and the
 // expert GEMV path (gemv + SiLU + gemv) where it applies. The bytes are
-// the non-empty experts' weights; `ratio` = bytes / time / copy bound (read + write).
+// the non-empty experts' weights; `ratio` = bytes / time / copy bound (read + write). Then
+// `router_rows`: the fused router + routing kernel (router_route) and route_f32 alone, per batch.
 //
 //   refit-expert-bench [--batch 1,16,64,256] [--experts 128] [--top-k 8] [--hidden 2048]
 //                      [--inter 768] [--layers 6] [--repeat 10] [--json]
@@ -297,6 +298,43 @@ int main(int argc, char** argv) try {
         g.k = in;
         kernels::expert_gemv(g, s);
       });
+  }
+  // The router and routing of a decode step in one launch (router_route, the split input hi +
+  // lo) against route_f32 alone (the two-kernel path's second kernel, after a router GEMM not
+  // timed here), per batch: microseconds a layer.
+  out["router_rows"] = nlohmann::json::array();
+  {
+    const std::size_t rows = std::size_t(max_batch) * h;
+    const auto hi = filled<bf16_bits>(rows, 0x3c), lo = filled<bf16_bits>(rows, 0x1c);
+    std::vector<cuda::device_array<bf16_bits>> wr;
+    for (int l = 0; l < o.layers; ++l)
+      wr.push_back(filled<bf16_bits>(std::size_t(e) * h, 0x3c + l));
+    const auto logits = filled<float>(std::size_t(2) * max_batch * e, 0);
+    const auto counters = filled<int>(kernels::router_route_max_groups, 0);
+    const cuda::device_array<std::int64_t> ids(0, std::size_t(max_batch) * o.top_k, "router ids");
+    const cuda::device_array<float> weights(0, std::size_t(max_batch) * o.top_k, "router weights");
+    for (const int batch : o.batches) {
+      const auto time = [&](const char* path, auto&& step) {
+        step(0); // warm-up
+        const double us = t.seconds([&] {
+          for (int r = 0; r < o.repeat; ++r)
+            for (int l = 0; l < o.layers; ++l)
+              step(l);
+        }) / (double(o.repeat) * o.layers) * 1e6;
+        if (!o.json)
+          std::printf("batch %4d  %-26s %7.2f us\n", batch, path, us);
+        out["router_rows"].push_back({{"batch", batch}, {"path", path}, {"layer_us", us}});
+      };
+      if (kernels::router_route_supported(batch, e, o.top_k, h))
+        time("router_route", [&](int l) {
+          kernels::router_route(hi.p, lo.p, wr[static_cast<std::size_t>(l)].p, batch, e, h,
+                                o.top_k, true, logits.p, counters.p, ids.p, weights.p, s);
+        });
+      time("route_f32 (after a GEMM)", [&](int) {
+        kernels::route_f32(logits.p, logits.p + std::size_t(batch) * e, batch, e, o.top_k, true,
+                           ids.p, weights.p, s);
+      });
+    }
   }
   if (o.json)
     std::printf("%s\n", out.dump(1).c_str());

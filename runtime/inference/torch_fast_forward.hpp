@@ -348,7 +348,7 @@ private:
   // REFIT_EXPERT_MMA_DOWN_TILES: 1, 2, 3, 4 or 8): the 16-row tiles a warp streams in one
   // pipeline when the k is not split.
   std::int64_t mma_up_tiles_ = 1;
-  std::int64_t mma_down_tiles_ = 1;
+  std::int64_t mma_down_tiles_ = 2;
   // Rows up to which qkv, o_proj and the router take the dense GEMV (REFIT_DENSE_GEMV_MAX_ROWS,
   // at most 8), then the tensor-core kernel (dense_mma) instead of cuBLAS
   // (REFIT_DENSE_MMA_MAX_ROWS, at most 64; 0: off).

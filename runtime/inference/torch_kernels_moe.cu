@@ -94,8 +94,9 @@ __global__ void route_f32_kernel(const float* __restrict__ logits, const float* 
 // The router and the routing in one launch. Block (x, y): the 8 experts 8x .. 8x + 7 (a warp
 // each) for the up to 8 tokens 8y .. 8y + 7. A warp holds its expert's weight row in registers
 // (lane l: columns l * 8 + 256 j, loaded before the wait for the kernel before: the weights do
-// not depend on it), then per token sums (hi + lo) * w over its columns in fp32 (hi + lo of
-// two bf16 is exact in fp32) and the lanes' sums by warp_sum: every logit in one fixed order.
+// not depend on it), then sums (hi + lo) * w over its columns in fp32 (hi + lo of two bf16 is
+// exact in fp32) for the group's tokens together, and the lanes' sums by warp_sum: every logit
+// in one fixed order.
 // The logits go to `logits`; the last block of a token group to finish (counted in counters[y],
 // which it sets back to 0 for the next launch) routes the group's tokens from them, one warp
 // a token (route_token).
@@ -120,31 +121,35 @@ __global__ void __launch_bounds__(router_warps * 32)
       wv[j] = __ldg(reinterpret_cast<const uint4*>(w + static_cast<i64>(e) * h + lane * 8 + j * 256));
   pdl_enter();
   if (e < experts) {
+    // Chunk by chunk, every token of the group at once: the loads of all tokens in flight
+    // together (a token past n reads row n - 1 and is not stored).
+    float acc[router_tokens] = {};
 #pragma unroll
-    for (int i = 0; i < router_tokens; ++i) {
-      if (i >= tn)
-        break;
-      const i64 row = static_cast<i64>(t0 + i) * h + lane * 8;
-      float acc = 0.0f;
+    for (int j = 0; j < KC; ++j) {
+      float wf[8];
+      unpack8(wv[j], wf);
 #pragma unroll
-      for (int j = 0; j < KC; ++j) {
-        float wf[8], xf[8];
-        unpack8(wv[j], wf);
-        load8(hi + row + j * 256, xf);
+      for (int i = 0; i < router_tokens; ++i) {
+        const i64 at = static_cast<i64>(min(t0 + i, n - 1)) * h + lane * 8 + j * 256;
+        float xf[8];
+        load8(hi + at, xf);
         if (lo != nullptr) {
           float lf[8];
-          load8(lo + row + j * 256, lf);
+          load8(lo + at, lf);
 #pragma unroll
           for (int q = 0; q < 8; ++q)
             xf[q] += lf[q];
         }
 #pragma unroll
         for (int q = 0; q < 8; ++q)
-          acc = fmaf(xf[q], wf[q], acc);
+          acc[i] = fmaf(xf[q], wf[q], acc[i]);
       }
-      acc = warp_sum(acc);
-      if (lane == 0)
-        logits[static_cast<i64>(t0 + i) * experts + e] = acc;
+    }
+#pragma unroll
+    for (int i = 0; i < router_tokens; ++i) {
+      const float sum = warp_sum(acc[i]);
+      if (lane == 0 && i < tn)
+        logits[static_cast<i64>(t0 + i) * experts + e] = sum;
     }
   }
   __shared__ bool last;
