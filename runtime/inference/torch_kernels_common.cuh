@@ -73,12 +73,16 @@ __device__ __forceinline__ T block_sum(T v, T* shared) {
   return total;
 }
 
-// 8 bf16 of a uint4 as floats.
+// 8 bf16 of a uint4 as floats (element 2i in the low half of word i). Bit operations on the
+// words, exactly __bfloat162float: read through a bf16 pointer into the uint4, the compiler split
+// its 16-byte load into eight 2-byte loads.
 __device__ __forceinline__ void unpack8(const uint4& v, float* out) {
-  const bf16* b = reinterpret_cast<const bf16*>(&v);
+  const unsigned w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-  for (int j = 0; j < 8; ++j)
-    out[j] = to_f(b[j]);
+  for (int j = 0; j < 4; ++j) {
+    out[2 * j] = __uint_as_float(w[j] << 16);
+    out[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+  }
 }
 
 // Eight consecutive values as floats: one 16-byte load of bf16, two of fp32.
