@@ -450,26 +450,32 @@ __global__ void __launch_bounds__(NW * 32, 4)
   const int sw = lane & 7; // the swizzle of the rows this lane addresses (row % 8 == lane % 8)
   const int stride = splits * NW * TILE;
   for (int base = (split + splits * warp) * TILE; base < length; base += stride) {
-    { // position base + lane's K and V rows: chunk c at c ^ (lane % 8); zeros past the end
+    { // The tile's K and V rows, coalesced: one copy instruction takes 32 / RC whole rows
+      // (lane l: chunk l % RC of row l / RC), each row's cache offset shuffled from the lane of
+      // its position (lane l looks up position base + l); chunk c of row r lands at c ^ (r % 8),
+      // rows past the end are zeros. (A lane copying a row of its own made every instruction
+      // touch 32 rows: the L1 took 32 cycles an instruction.)
       const int p = base + lane;
-      uint4* kd = reinterpret_cast<uint4*>(kw + lane * D);
-      uint4* vd = reinterpret_cast<uint4*>(vw + lane * D);
+      i64 off = -1;
       if (p < length) {
         const int blk = p / block_size;
-        const i64 off =
-          row_table[blk] * kv.block_elems + head_offset + (p - blk * block_size) * slot_elems;
-        const uint4* ks = reinterpret_cast<const uint4*>(cache + off);
-        const uint4* vs = reinterpret_cast<const uint4*>(cache + off + kv.part_elems);
+        off = row_table[blk] * kv.block_elems + head_offset + (p - blk * block_size) * slot_elems;
+      }
+      constexpr int RPI = 32 / RC; // rows per copy instruction
+      const int c = lane % RC;
 #pragma unroll
-        for (int c = 0; c < RC; ++c)
-          __pipeline_memcpy_async(kd + (c ^ sw), ks + c, 16);
-#pragma unroll
-        for (int c = 0; c < RC; ++c)
-          __pipeline_memcpy_async(vd + (c ^ sw), vs + c, 16);
-      } else {
-#pragma unroll
-        for (int c = 0; c < RC; ++c)
-          kd[c] = vd[c] = make_uint4(0u, 0u, 0u, 0u);
+      for (int r0 = 0; r0 < TILE; r0 += RPI) {
+        const int r = r0 + lane / RC;
+        const i64 row = __shfl_sync(0xffffffffu, off, r);
+        uint4* kd = reinterpret_cast<uint4*>(kw + r * D) + (c ^ (r & 7));
+        uint4* vd = reinterpret_cast<uint4*>(vw + r * D) + (c ^ (r & 7));
+        if (row >= 0) {
+          __pipeline_memcpy_async(kd, reinterpret_cast<const uint4*>(cache + row) + c, 16);
+          __pipeline_memcpy_async(vd, reinterpret_cast<const uint4*>(cache + row + kv.part_elems) + c,
+                                  16);
+        } else {
+          *kd = *vd = make_uint4(0u, 0u, 0u, 0u);
+        }
       }
       __pipeline_commit();
       __pipeline_wait_prior(0);
