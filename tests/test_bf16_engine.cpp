@@ -287,7 +287,7 @@ TEST(Bf16Engine, AProgrammaticLaunchKnobThatIsNotZeroOrOneIsRefused) {
 // REFIT_ROUTER_SPLIT, REFIT_LOGITS_FP32 and REFIT_RESIDUAL_FP32 0 or 1, REFIT_ATTENTION_MMA 0,
 // 1 or 2, REFIT_EXPERT_MMA_STAGES 0, 4 or 8, REFIT_EXPERT_MMA_EARLY 0 or 1,
 // REFIT_ROUTER_MMA_MAX_ROWS up to 128, REFIT_ATTENTION_SPLITS up to 16 and
-// REFIT_EXPERT_MMA_UP_TILES / _DOWN_TILES 1, 2, 3, 4 or 8.
+// REFIT_EXPERT_MMA_UP_TILES 0 (chosen), 1, 2, 3, 4 or 8 and _DOWN_TILES 1, 2, 3, 4 or 8.
 TEST(Bf16Engine, ExpertMmaKnobsOutsideTheirRangesAreRefusedNamingTheVariable) {
   expect_engine_knob("REFIT_EXPERT_MMA_MAX_COPIES", {"many", "-4", "4096 "}, " is not a count",
                      {"0", "4096"});
@@ -313,8 +313,10 @@ TEST(Bf16Engine, ExpertMmaKnobsOutsideTheirRangesAreRefusedNamingTheVariable) {
                      " is not a count of rows", {"0", "128"});
   expect_engine_knob("REFIT_ATTENTION_SPLITS", {"17", "auto", "-2"}, " is not a count of splits",
                      {"0", "1", "16"});
-  for (const char* tiles : {"REFIT_EXPERT_MMA_UP_TILES", "REFIT_EXPERT_MMA_DOWN_TILES"})
-    expect_engine_knob(tiles, {"0", "5", "16", "two"}, " is not 1, 2, 3, 4 or 8", {"1", "3", "8"});
+  expect_engine_knob("REFIT_EXPERT_MMA_UP_TILES", {"5", "16", "two"}, " is not 0, 1, 2, 3, 4 or 8",
+                     {"0", "1", "3", "8"});
+  expect_engine_knob("REFIT_EXPERT_MMA_DOWN_TILES", {"0", "5", "16", "two"},
+                     " is not 1, 2, 3, 4 or 8", {"1", "3", "8"});
 }
 
 // The expert-GEMV tuning knob (REFIT_EXPERT_GEMV_MAX_COPIES) is a count of routed copies.

@@ -109,7 +109,7 @@ fast_rank_forward::fast_rank_forward(const rank_forward_options& o)
   mma_stages_ = choice_knob("REFIT_EXPERT_MMA_STAGES", {"0", "4", "8"}, mma_stages_);
   mma_early_ = choice_knob("REFIT_EXPERT_MMA_EARLY", {"0", "1"}, mma_early_);
   mma_up_tiles_ =
-    choice_knob("REFIT_EXPERT_MMA_UP_TILES", {"1", "2", "3", "4", "8"}, mma_up_tiles_);
+    choice_knob("REFIT_EXPERT_MMA_UP_TILES", {"0", "1", "2", "3", "4", "8"}, mma_up_tiles_);
   mma_down_tiles_ =
     choice_knob("REFIT_EXPERT_MMA_DOWN_TILES", {"1", "2", "3", "4", "8"}, mma_down_tiles_);
   fused_sampling_ = choice_knob("REFIT_FUSED_SAMPLING", {"0", "1"}, fused_sampling_);

@@ -345,9 +345,12 @@ private:
   // wait for the kernel before (the experts by id from 4 routed copies an expert on).
   std::int64_t mma_early_ = 1;
   // expert_mma_args::tiles of gate_up and of down (REFIT_EXPERT_MMA_UP_TILES,
-  // REFIT_EXPERT_MMA_DOWN_TILES: 1, 2, 3, 4 or 8): the 16-row tiles a warp streams in one
-  // pipeline when the k is not split.
-  std::int64_t mma_up_tiles_ = 1;
+  // REFIT_EXPERT_MMA_DOWN_TILES: 1, 2, 3, 4 or 8; gate_up 0: chosen): the 16-row tiles a warp
+  // streams in one pipeline when the k is not split. H200, the expert kernels alone
+  // (refit-expert-bench, us a layer, gate_up/down tiles 1/1, 1/2, 2/2): batch 16 222, 215, 209;
+  // 64 318, 307, 302; 256 441, 422, 439: down 2 always, gate_up 2 up to 4 routed copies an
+  // expert on average.
+  std::int64_t mma_up_tiles_ = 0;
   std::int64_t mma_down_tiles_ = 2;
   // Rows up to which qkv, o_proj and the router take the dense GEMV (REFIT_DENSE_GEMV_MAX_ROWS,
   // at most 8), then the tensor-core kernel (dense_mma) instead of cuBLAS

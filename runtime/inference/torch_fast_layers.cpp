@@ -408,7 +408,8 @@ at::Tensor fast_rank_forward::expert_projections(const layer_tensors& w, const a
     up.rows = static_cast<int>(w.w13.size(1));
     up.k = static_cast<int>(w.w13.size(2));
     up.glu = true;
-    up.tiles = static_cast<int>(mma_up_tiles_);
+    up.tiles = static_cast<int>(mma_up_tiles_ > 0 ? mma_up_tiles_
+                                : copies <= 4 * experts_ ? 2 : 1); // see mma_up_tiles_
     down.w = w.w2.data_ptr();
     down.tiles = static_cast<int>(mma_down_tiles_);
     down.rows = static_cast<int>(w.w2.size(1));
