@@ -1,0 +1,232 @@
+// Decode attention's mode 2 (torch_kernels.hpp: decode_attention): the tensor-core kernel with O
+// accumulated transposed, so no accumulator row is spent on the heads an m16n8k16 tile lacks.
+#include "runtime/inference/torch_kernels_attention.cuh"
+
+#include <cuda_pipeline.h>
+
+#include <cmath>
+
+namespace refit::inference::kernels::attention_detail {
+
+namespace {
+
+// Dynamic shared memory of the transposed kernel: the NW warps' K and V tiles and q's 8 rows
+// (64 KiB + 2 KiB at D 128), later the combine's arrays (smaller).
+template <int D, int NW>
+constexpr int mma_t_smem() {
+  static_assert((NW * 32 * 2 + 8) * D * 2 >= (2 * NW * 8 + NW * 8 * D) * 4, "mma_t: smem");
+  return (NW * 32 * 2 + 8) * D * 2;
+}
+
+// Tensor cores, transposed (mode 2). Same blocks, tiles, softmax and combine as the kernel
+// above, but lane l copies both the K and the V row of position base + l to shared memory
+// (cp.async; 16-byte chunk c of row r at c ^ (r % 8): the 8 rows of an ldmatrix matrix fall in
+// 8 different bank groups; zeros past the end), and O is accumulated transposed, so that no
+// accumulator row is spent on the 8 heads an m16n8k16 tile lacks:
+// S = Q . K^T: A = Q (heads as rows, rows >= G zero; a0 / a2 of thread (g, t): Q[head g][dims
+// 2t, 2t+1 / 2t+8, 2t+9] of the k-step), B = K^T in four column tiles of 8 positions (b0 / b1:
+// K[position g][the same dims]), both through ldmatrix from shared memory (q staged once).
+// O^T += V^T . P^T: A = V^T (16 head dims as rows, D / 16 row tiles; ldmatrix.trans), B = P^T
+// (the 8 heads as columns): its b0 / b1, P[head g][positions 2t, 2t+1 / 2t+8, 2t+9] of a
+// 16-position k-step, are c0, c1 of S's two column tiles of that step, packed to bf16 in two
+// parts (hi + lo) as above. C of O^T: thread (g, t) holds dims 16 k + g (c0, c1) and
+// 16 k + 8 + g (c2, c3) of heads 2t, 2t+1. Positions and slots in 32-bit ints. Min 4 blocks
+// caps the registers at 128 (the shared memory holds 3 blocks an SM at D 128).
+template <int D, int G, int NW>
+__global__ void __launch_bounds__(NW * 32, 4)
+  decode_attention_mma_t_kernel(const bf16* __restrict__ q, kv_target kv,
+                                const i64* __restrict__ table, int width,
+                                const i64* __restrict__ lengths, bf16* __restrict__ out,
+                                float* __restrict__ partial, int splits, int hq, int hkv,
+                                float scale) {
+  pdl_enter();
+  static_assert(G >= 1 && G <= 8 && (D == 64 || D == 128), "decode attention (mma_t): shape");
+  constexpr int TILE = 32;
+  constexpr int KS = D / 16; // k-steps of S, row tiles of O^T
+  constexpr int RC = D / 8;  // 16-byte chunks of a K or V row
+  extern __shared__ __align__(16) unsigned char attention_smem[];
+  const int b = blockIdx.x;
+  const int h = blockIdx.y;
+  const int split = blockIdx.z;
+  const int head0 = h * G;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  bf16* qs = reinterpret_cast<bf16*>(attention_smem) + NW * 2 * TILE * D; // q: 8 rows of D
+  const uint4* qg = reinterpret_cast<const uint4*>(q + (static_cast<i64>(b) * hq + head0) * D);
+  for (int i = threadIdx.x; i < 8 * RC; i += NW * 32) { // row i / RC, chunk i % RC (swizzled)
+    const int r = i / RC;
+    reinterpret_cast<uint4*>(qs + r * D)[(i % RC) ^ r] =
+      r < G ? __ldg(qg + i) : make_uint4(0u, 0u, 0u, 0u);
+  }
+  __syncthreads();
+  float m = -INFINITY; // head g's running max (equal in its four lanes)
+  float l = 0.0f;      // this thread's share of head g's sum
+  float acc[KS][4] = {}; // O^T: [k][0], [1]: dim 16 k + g of heads 2t, 2t+1; [2], [3]: dim + 8
+  const int length = static_cast<int>(lengths[b]);
+  const bf16* cache = static_cast<const bf16*>(kv.base);
+  const i64* row_table = table + static_cast<i64>(b) * width;
+  const i64 head_offset = kv.layer_offset + static_cast<i64>(h) * D;
+  const int slot_elems = hkv * D; // from one slot of a block to the next
+  const int block_size = kv.block_size;
+  bf16* kw = reinterpret_cast<bf16*>(attention_smem) + warp * 2 * TILE * D;
+  bf16* vw = kw + TILE * D;
+  const int sw = lane & 7; // the swizzle of the rows this lane addresses (row % 8 == lane % 8)
+  const int stride = splits * NW * TILE;
+  for (int base = (split + splits * warp) * TILE; base < length; base += stride) {
+    { // The tile's K and V rows, coalesced: one copy instruction takes 32 / RC whole rows
+      // (lane l: chunk l % RC of row l / RC), each row's cache offset shuffled from the lane of
+      // its position (lane l looks up position base + l); chunk c of row r lands at c ^ (r % 8),
+      // rows past the end are zeros. (A lane copying a row of its own made every instruction
+      // touch 32 rows: the L1 took 32 cycles an instruction.)
+      const int p = base + lane;
+      i64 off = -1;
+      if (p < length) {
+        const int blk = p / block_size;
+        off = row_table[blk] * kv.block_elems + head_offset + (p - blk * block_size) * slot_elems;
+      }
+      constexpr int RPI = 32 / RC; // rows per copy instruction
+      const int c = lane % RC;
+#pragma unroll
+      for (int r0 = 0; r0 < TILE; r0 += RPI) {
+        const int r = r0 + lane / RC;
+        const i64 row = __shfl_sync(0xffffffffu, off, r);
+        uint4* kd = reinterpret_cast<uint4*>(kw + r * D) + (c ^ (r & 7));
+        uint4* vd = reinterpret_cast<uint4*>(vw + r * D) + (c ^ (r & 7));
+        if (row >= 0) {
+          __pipeline_memcpy_async(kd, reinterpret_cast<const uint4*>(cache + row) + c, 16);
+          __pipeline_memcpy_async(vd, reinterpret_cast<const uint4*>(cache + row + kv.part_elems) + c,
+                                  16);
+        } else {
+          *kd = *vd = make_uint4(0u, 0u, 0u, 0u);
+        }
+      }
+      __pipeline_commit();
+      __pipeline_wait_prior(0);
+      __syncwarp();
+    }
+    float s[4][4] = {}; // [n][0..1]: head g at positions base + 8 n + 2 t, + 1; [2..3]: zero rows
+#pragma unroll
+    for (int j = 0; j < KS / 2; ++j) { // k-steps 2 j, 2 j + 1; matrix i: dims 32 j + 8 i .. + 7
+      const int chunk = (4 * j + (lane >> 3)) ^ sw;
+      unsigned qa[4]; // a0, a2 of k-step 2 j (qa 0, 1) and of 2 j + 1 (qa 2, 3); rows: heads
+      ldmatrix_x4(qa, qs + sw * D + chunk * 8);
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+        unsigned kb[4]; // b0, b1 of k-step 2 j (kb 0, 1) and of 2 j + 1 (kb 2, 3); rows: 8 n ..
+        ldmatrix_x4(kb, kw + (8 * n + sw) * D + chunk * 8);
+        mma_bf16(s[n], qa[0], 0u, qa[1], 0u, kb[0], kb[1]);
+        mma_bf16(s[n], qa[2], 0u, qa[3], 0u, kb[2], kb[3]);
+      }
+    }
+    float mx = -INFINITY;
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        s[n][i] = base + 8 * n + 2 * t + i < length ? s[n][i] * scale : -INFINITY;
+        mx = fmaxf(mx, s[n][i]);
+      }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m, mx); // finite: position base is valid
+    const float corr = expf(m - m_new);
+    m = m_new;
+    float sum = 0.0f;
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        s[n][i] = expf(s[n][i] - m_new); // 0 past the end
+        sum += s[n][i];
+      }
+    l = l * corr + sum;
+    const float c0 = __shfl_sync(0xffffffffu, corr, 8 * t);     // head 2t's (lanes 8t..)
+    const float c1 = __shfl_sync(0xffffffffu, corr, 8 * t + 4); // head 2t+1's
+#pragma unroll
+    for (int k = 0; k < KS; ++k) {
+      acc[k][0] *= c0;
+      acc[k][1] *= c1;
+      acc[k][2] *= c0;
+      acc[k][3] *= c1;
+    }
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) { // positions 16 kk .. + 15: S's column tiles 2 kk, 2 kk + 1
+      const unsigned h0 = pack_bf16x2(s[2 * kk][0], s[2 * kk][1]);
+      const unsigned h1 = pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      const unsigned l0 = pack_bf16x2(s[2 * kk][0] - low_bf16(h0), s[2 * kk][1] - high_bf16(h0));
+      const unsigned l1 =
+        pack_bf16x2(s[2 * kk + 1][0] - low_bf16(h1), s[2 * kk + 1][1] - high_bf16(h1));
+      // matrix i: positions 16 kk + 8 (i / 2) .. + 7, dims 16 k + 8 (i % 2) .. + 7 -> a0..a3
+      const bf16* vr = vw + (16 * kk + (lane >> 4) * 8 + sw) * D;
+      const int half = (lane >> 3) & 1;
+#pragma unroll
+      for (int k = 0; k < KS; ++k) {
+        unsigned va[4];
+        ldmatrix_x4_trans(va, vr + ((2 * k + half) ^ sw) * 8);
+        mma_bf16(acc[k], va[0], va[1], va[2], va[3], h0, h1);
+        mma_bf16(acc[k], va[0], va[1], va[2], va[3], l0, l1);
+      }
+    }
+    __syncwarp(); // the next tile overwrites this warp's K and V rows
+  }
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  __syncthreads(); // the combine reuses the shared memory
+  float* sm = reinterpret_cast<float*>(attention_smem);
+  float* sl = sm + NW * 8;
+  float* sacc = sl + NW * 8;
+  if (t == 0) {
+    sm[warp * 8 + g] = m;
+    sl[warp * 8 + g] = l;
+  }
+#pragma unroll
+  for (int k = 0; k < KS; ++k) { // sacc[(warp * 8 + head) * D + dim]
+    float* o = sacc + (warp * 8 + 2 * t) * D + 16 * k + g;
+    o[0] = acc[k][0];
+    o[D] = acc[k][1];
+    o[8] = acc[k][2];
+    o[D + 8] = acc[k][3];
+  }
+  __syncthreads();
+  combine_warps<D, G, NW, 8>(sm, sl, sacc, b, head0, hq, split, splits, out, partial);
+}
+
+template <int D, int G>
+void launch_t(const void* q, kv_target kv, const i64* table, int width, const i64* lengths,
+              void* out, float* partial, int splits, int b, int hq, int hkv, cudaStream_t s) {
+  constexpr int NW = 4;
+  launch_smem("decode_attention", decode_attention_mma_t_kernel<D, G, NW>, dim3(b, hkv, splits),
+              dim3(NW * 32), mma_t_smem<D, NW>(), s, static_cast<const bf16*>(q), kv, table, width,
+              lengths, static_cast<bf16*>(out), partial, splits, hq, hkv,
+              1.0f / std::sqrt(static_cast<float>(D)));
+}
+
+template <int D>
+void launch_t_group(int group, const void* q, kv_target kv, const i64* table, int width,
+                    const i64* lengths, void* out, float* partial, int splits, int b, int hq,
+                    int hkv, cudaStream_t s) {
+  switch (group) {
+    case 1: return launch_t<D, 1>(q, kv, table, width, lengths, out, partial, splits, b, hq, hkv, s);
+    case 2: return launch_t<D, 2>(q, kv, table, width, lengths, out, partial, splits, b, hq, hkv, s);
+    case 4: return launch_t<D, 4>(q, kv, table, width, lengths, out, partial, splits, b, hq, hkv, s);
+    case 8: return launch_t<D, 8>(q, kv, table, width, lengths, out, partial, splits, b, hq, hkv, s);
+  }
+  throw std::invalid_argument("decode_attention (mode 2): unsupported group " + std::to_string(group));
+}
+
+} // namespace
+
+void launch_transposed(const void* q, kv_target kv, const i64* table, int width,
+                       const i64* lengths, void* out, float* partial, int splits, int b, int hq,
+                       int hkv, int d, cudaStream_t s) {
+  if (d == 64)
+    launch_t_group<64>(hq / hkv, q, kv, table, width, lengths, out, partial, splits, b, hq, hkv, s);
+  else if (d == 128)
+    launch_t_group<128>(hq / hkv, q, kv, table, width, lengths, out, partial, splits, b, hq, hkv, s);
+  else
+    throw std::invalid_argument("decode_attention (mode 2): unsupported head_dim " + std::to_string(d));
+}
+
+} // namespace refit::inference::kernels::attention_detail
