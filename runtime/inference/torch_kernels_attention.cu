@@ -241,7 +241,6 @@ __global__ void __launch_bounds__(NW * 32)
         kb[n][j] = kp != nullptr ? __ldg(kp + 4 * j) : make_uint4(0u, 0u, 0u, 0u);
     }
     float s[4][4]; // [n][0..1]: head g at positions base + 8 n + 2 t, + 1
-    float mx = -INFINITY;
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
 #pragma unroll
@@ -252,26 +251,8 @@ __global__ void __launch_bounds__(NW * 32)
         mma_bf16(s[n], qa[j].x, 0u, qa[j].y, 0u, kb[n][j].x, kb[n][j].y);
         mma_bf16(s[n], qa[j].z, 0u, qa[j].w, 0u, kb[n][j].z, kb[n][j].w);
       }
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        s[n][i] = base + 8 * n + 2 * t + i < length ? s[n][i] * scale : -INFINITY;
-        mx = fmaxf(mx, s[n][i]);
-      }
     }
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(m, mx); // finite: position base is valid
-    const float corr = expf(m - m_new);
-    m = m_new;
-    float sum = 0.0f;
-#pragma unroll
-    for (int n = 0; n < 4; ++n)
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        s[n][i] = expf(s[n][i] - m_new); // 0 past the end
-        sum += s[n][i];
-      }
-    l = l * corr + sum;
+    const float corr = softmax_tile(s, base, t, length, scale, m, l);
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
       acc[n][0] *= corr;
@@ -281,11 +262,8 @@ __global__ void __launch_bounds__(NW * 32)
     __syncwarp();
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk) { // positions 16 kk .. + 15: column tiles 2 kk, 2 kk + 1
-      const unsigned h0 = pack_bf16x2(s[2 * kk][0], s[2 * kk][1]);
-      const unsigned h1 = pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      const unsigned l0 = pack_bf16x2(s[2 * kk][0] - low_bf16(h0), s[2 * kk][1] - high_bf16(h0));
-      const unsigned l1 =
-        pack_bf16x2(s[2 * kk + 1][0] - low_bf16(h1), s[2 * kk + 1][1] - high_bf16(h1));
+      unsigned h0, h1, l0, l1;
+      split_p(s, kk, h0, h1, l0, l1);
       const int mi = lane >> 3;
       const int row = 16 * kk + (mi & 1) * 8 + (lane & 7);
 #pragma unroll
@@ -300,23 +278,13 @@ __global__ void __launch_bounds__(NW * 32)
     }
     __syncwarp(); // the next tile overwrites this warp's V rows
   }
-  l += __shfl_xor_sync(0xffffffffu, l, 1);
-  l += __shfl_xor_sync(0xffffffffu, l, 2);
-  __syncthreads(); // the combine reuses the shared memory
-  float* sm = reinterpret_cast<float*>(smem);
-  float* sl = sm + NW * 8;
-  float* sacc = sl + NW * 8;
-  if (t == 0) {
-    sm[warp * 8 + g] = m;
-    sl[warp * 8 + g] = l;
-  }
+  finish_warps<D, G, NW>(m, l, smem, [&](float* sacc) {
 #pragma unroll
-  for (int n = 0; n < NT; ++n) {
-    sacc[(warp * 8 + g) * D + 8 * n + 2 * t] = acc[n][0];
-    sacc[(warp * 8 + g) * D + 8 * n + 2 * t + 1] = acc[n][1];
-  }
-  __syncthreads();
-  combine_warps<D, G, NW, 8>(sm, sl, sacc, b, head0, hq, split, splits, out, partial);
+    for (int n = 0; n < NT; ++n) {
+      sacc[(warp * 8 + g) * D + 8 * n + 2 * t] = acc[n][0];
+      sacc[(warp * 8 + g) * D + 8 * n + 2 * t + 1] = acc[n][1];
+    }
+  }, b, head0, hq, split, splits, out, partial);
 }
 
 // One block per (sequence, query head), one thread per head dim: the splits' partial results

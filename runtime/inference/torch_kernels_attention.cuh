@@ -75,6 +75,75 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* 
                : "r"(a));
 }
 
+// P of one 16-position k-step (S's column tiles 2 kk and 2 kk + 1: s[2 kk][0..1], s[2 kk +
+// 1][0..1] of head g) as bf16 pairs in two parts, hi (h0, h1) and the rounding left (l0, l1): P at
+// about 16 mantissa bits, as an fp32 P. The pairs are both an A fragment (heads as rows) and a B
+// fragment (heads as columns) of m16n8k16.
+__device__ __forceinline__ void split_p(const float (&s)[4][4], int kk, unsigned& h0, unsigned& h1,
+                                        unsigned& l0, unsigned& l1) {
+  h0 = pack_bf16x2(s[2 * kk][0], s[2 * kk][1]);
+  h1 = pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+  l0 = pack_bf16x2(s[2 * kk][0] - low_bf16(h0), s[2 * kk][1] - high_bf16(h0));
+  l1 = pack_bf16x2(s[2 * kk + 1][0] - low_bf16(h1), s[2 * kk + 1][1] - high_bf16(h1));
+}
+
+// The online-softmax step of a tile of 32 positions for head g, whose state (running max m,
+// this thread's share l of the sum) lives in the row group's four lanes: s[n][0..1] are head g's
+// raw scores at positions base + 8 n + 2 t, + 1; scaled, -inf past `length`, then replaced by
+// exp(s - new max). Returns the factor exp(old max - new max) the old P.V sums take (position
+// base is valid, so the new max is finite).
+template <class P>
+__device__ __forceinline__ float softmax_tile(float (&s)[4][4], P base, int t, P length,
+                                              float scale, float& m, float& l) {
+  float mx = -INFINITY;
+#pragma unroll
+  for (int n = 0; n < 4; ++n)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      s[n][i] = base + 8 * n + 2 * t + i < length ? s[n][i] * scale : -INFINITY;
+      mx = fmaxf(mx, s[n][i]);
+    }
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  const float m_new = fmaxf(m, mx);
+  const float corr = expf(m - m_new);
+  m = m_new;
+  float sum = 0.0f;
+#pragma unroll
+  for (int n = 0; n < 4; ++n)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      s[n][i] = expf(s[n][i] - m_new); // 0 past the end
+      sum += s[n][i];
+    }
+  l = l * corr + sum;
+  return corr;
+}
+
+// The end of a tensor-core kernel's block: head g's sum l gathered from its four lanes, the NW
+// warps' (max, sum) and P.V (`store(sacc)` writes the warp's P.V at sacc[(warp * 8 + head) * D
+// + dim]) into shared memory `smem` (free by then), and combine_warps.
+template <int D, int G, int NW, class Store>
+__device__ __forceinline__ void finish_warps(float m, float l, unsigned char* smem, Store&& store,
+                                             int b, int head0, int hq, int split, int splits,
+                                             bf16* __restrict__ out, float* __restrict__ partial) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  __syncthreads(); // the combine reuses the shared memory
+  float* sm = reinterpret_cast<float*>(smem);
+  float* sl = sm + NW * 8;
+  float* sacc = sl + NW * 8;
+  if ((lane & 3) == 0) {
+    sm[warp * 8 + (lane >> 2)] = m;
+    sl[warp * 8 + (lane >> 2)] = l;
+  }
+  store(sacc);
+  __syncthreads();
+  combine_warps<D, G, NW, 8>(sm, sl, sacc, b, head0, hq, split, splits, out, partial);
+}
+
 // Mode 2's kernel (torch_kernels_attention_t.cu) over grid (b, hkv, splits) for head_dim d and
 // group hq / hkv up to 8 (decode_attention checked the arguments); the merge is the caller's.
 void launch_transposed(const void* q, kv_target kv, const i64* table, int width,

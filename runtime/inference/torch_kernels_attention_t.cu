@@ -120,28 +120,7 @@ __global__ void __launch_bounds__(NW * 32, 4)
         mma_bf16(s[n], qa[2], 0u, qa[3], 0u, kb[2], kb[3]);
       }
     }
-    float mx = -INFINITY;
-#pragma unroll
-    for (int n = 0; n < 4; ++n)
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        s[n][i] = base + 8 * n + 2 * t + i < length ? s[n][i] * scale : -INFINITY;
-        mx = fmaxf(mx, s[n][i]);
-      }
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(m, mx); // finite: position base is valid
-    const float corr = expf(m - m_new);
-    m = m_new;
-    float sum = 0.0f;
-#pragma unroll
-    for (int n = 0; n < 4; ++n)
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        s[n][i] = expf(s[n][i] - m_new); // 0 past the end
-        sum += s[n][i];
-      }
-    l = l * corr + sum;
+    const float corr = softmax_tile(s, base, t, length, scale, m, l);
     const float c0 = __shfl_sync(0xffffffffu, corr, 8 * t);     // head 2t's (lanes 8t..)
     const float c1 = __shfl_sync(0xffffffffu, corr, 8 * t + 4); // head 2t+1's
 #pragma unroll
@@ -153,11 +132,8 @@ __global__ void __launch_bounds__(NW * 32, 4)
     }
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk) { // positions 16 kk .. + 15: S's column tiles 2 kk, 2 kk + 1
-      const unsigned h0 = pack_bf16x2(s[2 * kk][0], s[2 * kk][1]);
-      const unsigned h1 = pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      const unsigned l0 = pack_bf16x2(s[2 * kk][0] - low_bf16(h0), s[2 * kk][1] - high_bf16(h0));
-      const unsigned l1 =
-        pack_bf16x2(s[2 * kk + 1][0] - low_bf16(h1), s[2 * kk + 1][1] - high_bf16(h1));
+      unsigned h0, h1, l0, l1;
+      split_p(s, kk, h0, h1, l0, l1);
       // matrix i: positions 16 kk + 8 (i / 2) .. + 7, dims 16 k + 8 (i % 2) .. + 7 -> a0..a3
       const bf16* vr = vw + (16 * kk + (lane >> 4) * 8 + sw) * D;
       const int half = (lane >> 3) & 1;
@@ -171,26 +147,16 @@ __global__ void __launch_bounds__(NW * 32, 4)
     }
     __syncwarp(); // the next tile overwrites this warp's K and V rows
   }
-  l += __shfl_xor_sync(0xffffffffu, l, 1);
-  l += __shfl_xor_sync(0xffffffffu, l, 2);
-  __syncthreads(); // the combine reuses the shared memory
-  float* sm = reinterpret_cast<float*>(attention_smem);
-  float* sl = sm + NW * 8;
-  float* sacc = sl + NW * 8;
-  if (t == 0) {
-    sm[warp * 8 + g] = m;
-    sl[warp * 8 + g] = l;
-  }
+  finish_warps<D, G, NW>(m, l, attention_smem, [&](float* sacc) {
 #pragma unroll
-  for (int k = 0; k < KS; ++k) { // sacc[(warp * 8 + head) * D + dim]
-    float* o = sacc + (warp * 8 + 2 * t) * D + 16 * k + g;
-    o[0] = acc[k][0];
-    o[D] = acc[k][1];
-    o[8] = acc[k][2];
-    o[D + 8] = acc[k][3];
-  }
-  __syncthreads();
-  combine_warps<D, G, NW, 8>(sm, sl, sacc, b, head0, hq, split, splits, out, partial);
+    for (int k = 0; k < KS; ++k) { // sacc[(warp * 8 + head) * D + dim]
+      float* o = sacc + (warp * 8 + 2 * t) * D + 16 * k + g;
+      o[0] = acc[k][0];
+      o[D] = acc[k][1];
+      o[8] = acc[k][2];
+      o[D + 8] = acc[k][3];
+    }
+  }, b, head0, hq, split, splits, out, partial);
 }
 
 template <int D, int G>
