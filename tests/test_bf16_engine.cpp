@@ -284,6 +284,7 @@ TEST(Bf16Engine, AProgrammaticLaunchKnobThatIsNotZeroOrOneIsRefused) {
 // REFIT_EXPERT_MMA_KSPLIT one of the k-splits the kernel has, REFIT_EXPERT_MMA_CHUNKS one of its
 // register stagings, REFIT_EXPERT_MMA_EVICT_FIRST 0 or 1, REFIT_DENSE_MMA_MAX_ROWS a row count
 // up to 64, REFIT_DENSE_GEMV_MAX_ROWS up to 8, REFIT_FUSED_SAMPLING, REFIT_FUSED_ROUTER,
+// REFIT_ATTENTION_FUSED_QK,
 // REFIT_ROUTER_SPLIT, REFIT_LOGITS_FP32 and REFIT_RESIDUAL_FP32 0 or 1, REFIT_ATTENTION_MMA 0,
 // 1 or 2, REFIT_EXPERT_MMA_STAGES 0, 4 or 8, REFIT_EXPERT_MMA_EARLY 0 or 1,
 // REFIT_ROUTER_MMA_MAX_ROWS up to 128, REFIT_ATTENTION_SPLITS up to 16 and
@@ -302,6 +303,7 @@ TEST(Bf16Engine, ExpertMmaKnobsOutsideTheirRangesAreRefusedNamingTheVariable) {
                      {"0", "8"});
   expect_engine_knob("REFIT_FUSED_SAMPLING", {"2", "on"}, " is not 0 or 1", {"0", "1"});
   expect_engine_knob("REFIT_FUSED_ROUTER", {"2", "fused"}, " is not 0 or 1", {"0", "1"});
+  expect_engine_knob("REFIT_ATTENTION_FUSED_QK", {"2", "qk"}, " is not 0 or 1", {"0", "1"});
   expect_engine_knob("REFIT_ROUTER_SPLIT", {"2", "split"}, " is not 0 or 1", {"0", "1"});
   expect_engine_knob("REFIT_LOGITS_FP32", {"fp32", "-1"}, " is not 0 or 1", {"0", "1"});
   expect_engine_knob("REFIT_RESIDUAL_FP32", {"2", "yes"}, " is not 0 or 1", {"0", "1"});

@@ -125,6 +125,17 @@ TEST(GpuEngine, FusedKernelsWithBf16OutputsAndCudaCoreAttentionComputeWhatTheAte
                              {"REFIT_ATTENTION_MMA", "0"}});
 }
 
+// Decode attention's transposed kernel (mode 2) alone, then with its own q/k norm + RoPE + K/V
+// writes (the one-row decode steps split each sequence: the split holding the last position
+// writes it) and the router as a GEMM + route_f32 instead of router_route.
+TEST(GpuEngine, TransposedAttentionAndItsOwnQkComputeWhatTheAtenPathComputes) {
+  REQUIRE_GPU();
+  expect_fused_matches_aten({{"REFIT_ATTENTION_MMA", "2"}});
+  expect_fused_matches_aten({{"REFIT_ATTENTION_MMA", "2"},
+                             {"REFIT_ATTENTION_FUSED_QK", "1"},
+                             {"REFIT_FUSED_ROUTER", "0"}});
+}
+
 TEST(GpuEngine, Bf16LogitsTrackTheFp32ReferenceAndTheCpuEngine) {
   REQUIRE_GPU();
   const auto cfg = refit::testing::tiny_model();

@@ -118,6 +118,7 @@ fast_rank_forward::fast_rank_forward(const rank_forward_options& o)
   logits_fp32_ = choice_knob("REFIT_LOGITS_FP32", {"0", "1"}, logits_fp32_);
   residual_fp32_ = choice_knob("REFIT_RESIDUAL_FP32", {"0", "1"}, residual_fp32_);
   attention_mma_ = choice_knob("REFIT_ATTENTION_MMA", {"0", "1", "2"}, attention_mma_);
+  attention_fused_qk_ = choice_knob("REFIT_ATTENTION_FUSED_QK", {"0", "1"}, attention_fused_qk_);
   attention_splits_ =
     count_knob("REFIT_ATTENTION_SPLITS", attention_splits_, "splits", 16); // max_attention_splits
   dense_gemv_max_rows_ = count_knob("REFIT_DENSE_GEMV_MAX_ROWS", dense_gemv_max_rows_, "rows", 8);

@@ -385,6 +385,9 @@ private:
   // cores, 1 tensor cores with the heads as rows, 2 tensor cores with O transposed (groups up to
   // 8; group 16 takes CUDA cores).
   std::int64_t attention_mma_ = 1;
+  // Mode 2 only: the attention kernel does the q/k norm + RoPE + K/V writes itself instead of
+  // qk_norm_rope_write (REFIT_ATTENTION_FUSED_QK=0|1).
+  std::int64_t attention_fused_qk_ = 0;
   // Decode attention's splits of each sequence (REFIT_ATTENTION_SPLITS, at most 16); 0: chosen
   // from the batch (decode_attention_splits).
   std::int64_t attention_splits_ = 0;

@@ -549,16 +549,34 @@ at::Tensor fast_rank_forward::fused_decode_layer_attention(const at::Tensor& qkv
   kv.part_elems = std::int64_t{o_.kv.block_size} * kv_heads_ * head_dim_;
   kv.layer_offset = std::int64_t{layer} * 2 * kv.part_elems;
   kv.block_size = static_cast<int>(o_.kv.block_size);
-  at::Tensor q = at::empty({n, q_heads_, head_dim_}, bf_);
-  kernels::qk_norm_rope_write(qkv.data_ptr(), w.q_norm.data_ptr(), w.k_norm.data_ptr(),
-                              cos_.data_ptr<float>(), sin_.data_ptr<float>(),
-                              in.positions.data_ptr<std::int64_t>(),
-                              in.src_row.data_ptr<std::int64_t>(),
-                              in.write_block.data_ptr<std::int64_t>(),
-                              in.write_slot.data_ptr<std::int64_t>(), q.data_ptr(), kv,
-                              static_cast<int>(n), static_cast<int>(q_heads_),
-                              static_cast<int>(kv_heads_), static_cast<int>(head_dim_),
-                              static_cast<float>(cfg_.rms_norm_eps), stream());
+  // Mode 2 with REFIT_ATTENTION_FUSED_QK: the attention kernel computes q and writes K / V itself.
+  kernels::attention_qk qk;
+  const bool fuse_qk = attention_mma_ == 2 && attention_fused_qk_ != 0 && q_heads_ / kv_heads_ <= 8;
+  if (fuse_qk) {
+    qk.qkv = qkv.data_ptr();
+    qk.q_norm = w.q_norm.data_ptr();
+    qk.k_norm = w.k_norm.data_ptr();
+    qk.cos = cos_.data_ptr<float>();
+    qk.sin = sin_.data_ptr<float>();
+    qk.positions = in.positions.data_ptr<std::int64_t>();
+    qk.src_row = in.src_row.data_ptr<std::int64_t>();
+    qk.write_block = in.write_block.data_ptr<std::int64_t>();
+    qk.write_slot = in.write_slot.data_ptr<std::int64_t>();
+    qk.eps = static_cast<float>(cfg_.rms_norm_eps);
+  }
+  at::Tensor q;
+  if (!fuse_qk) {
+    q = at::empty({n, q_heads_, head_dim_}, bf_);
+    kernels::qk_norm_rope_write(qkv.data_ptr(), w.q_norm.data_ptr(), w.k_norm.data_ptr(),
+                                cos_.data_ptr<float>(), sin_.data_ptr<float>(),
+                                in.positions.data_ptr<std::int64_t>(),
+                                in.src_row.data_ptr<std::int64_t>(),
+                                in.write_block.data_ptr<std::int64_t>(),
+                                in.write_slot.data_ptr<std::int64_t>(), q.data_ptr(), kv,
+                                static_cast<int>(n), static_cast<int>(q_heads_),
+                                static_cast<int>(kv_heads_), static_cast<int>(head_dim_),
+                                static_cast<float>(cfg_.rms_norm_eps), stream());
+  }
   at::Tensor out = at::empty({n, q_heads_ * head_dim_}, bf_);
   const int splits =
     attention_splits_ > 0
@@ -567,13 +585,14 @@ at::Tensor fast_rank_forward::fused_decode_layer_attention(const at::Tensor& qkv
   at::Tensor partial;
   if (splits > 1)
     partial = at::empty({n, q_heads_, splits, head_dim_ + 2}, f32_);
-  kernels::decode_attention(q.data_ptr(), kv, in.table.data_ptr<std::int64_t>(),
+  kernels::decode_attention(fuse_qk ? nullptr : q.data_ptr(), kv,
+                            in.table.data_ptr<std::int64_t>(),
                             static_cast<int>(in.table.size(1)),
                             in.lengths.data_ptr<std::int64_t>(), out.data_ptr(),
                             splits > 1 ? partial.data_ptr<float>() : nullptr, splits,
                             static_cast<int>(n), static_cast<int>(q_heads_),
                             static_cast<int>(kv_heads_), static_cast<int>(head_dim_), stream(),
-                            static_cast<int>(attention_mma_));
+                            static_cast<int>(attention_mma_), fuse_qk ? &qk : nullptr);
   return out;
 #else
   (void)qkv, (void)w, (void)in, (void)kv_base, (void)layer;

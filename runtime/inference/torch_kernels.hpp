@@ -55,12 +55,28 @@ void set_programmatic_launch(bool on);
 // torch_kernels_attention.cu): 0 CUDA cores; 1 tensor cores, heads as the mma rows; 2 tensor
 // cores with O transposed (head dims as the mma rows, K and V staged in shared memory). Group
 // 16 always runs on CUDA cores; any other mode throws std::invalid_argument.
+// With `qk` (mode 2 only), the kernel does qk_norm_rope_write's work itself: each block computes
+// its group's q heads from qkv into shared memory (`q` unused), and the block that reads a
+// sequence's last position writes that position's K and V (normed, RoPE'd) into the cache first.
 inline constexpr int max_attention_splits = 16;
+struct attention_qk {
+  const void* qkv = nullptr; // bf16 [b, (hq + 2 hkv) * d]
+  const void* q_norm = nullptr;
+  const void* k_norm = nullptr;
+  const float* cos = nullptr; // fp32 [P, d / 2]
+  const float* sin = nullptr;
+  const std::int64_t* positions = nullptr;
+  const std::int64_t* src_row = nullptr;
+  const std::int64_t* write_block = nullptr;
+  const std::int64_t* write_slot = nullptr;
+  float eps = 0.0f;
+};
 bool decode_attention_supported(int d, int group);
 int decode_attention_splits(int b, int hkv);
 void decode_attention(const void* q, kv_target kv, const std::int64_t* table, int width,
                       const std::int64_t* lengths, void* out, float* partial, int splits, int b,
-                      int hq, int hkv, int d, void* stream, int mode = 1);
+                      int hq, int hkv, int d, void* stream, int mode = 1,
+                      const attention_qk* qk = nullptr);
 
 // Router: logits bf16 [n, e] -> softmax (fp32) -> the top_k experts (ties: lower id), their
 // probabilities renormalized when `renormalize`: ids int64 [n, top_k], weights fp32 [n, top_k].

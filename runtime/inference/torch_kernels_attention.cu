@@ -319,6 +319,7 @@ struct attention_call {
   float* partial;
   int splits, b, hq, hkv;
   int mode; // decode_attention's
+  const attention_qk* qk;
 };
 
 template <int D, int G>
@@ -335,7 +336,7 @@ void launch_attention(const attention_call& a, cudaStream_t s) {
       launched = true;
     } else if (a.mode == 2) {
       launch_transposed(a.q, a.kv, a.table, a.width, a.lengths, a.out, a.partial, a.splits, a.b,
-                        a.hq, a.hkv, D, s);
+                        a.hq, a.hkv, D, a.qk, s);
       launched = true;
     }
   }
@@ -379,15 +380,19 @@ int decode_attention_splits(int b, int hkv) {
 
 void decode_attention(const void* q, kv_target kv, const std::int64_t* table, int width,
                       const std::int64_t* lengths, void* out, float* partial, int splits, int b,
-                      int hq, int hkv, int d, void* stream, int mode) {
+                      int hq, int hkv, int d, void* stream, int mode, const attention_qk* qk) {
   if (mode < 0 || mode > 2)
     throw std::invalid_argument("decode_attention: mode " + std::to_string(mode)
                                 + " (0 CUDA cores, 1 tensor cores, 2 transposed tensor cores)");
+  if (qk != nullptr && (mode != 2 || hq / hkv > 8))
+    throw std::invalid_argument("decode_attention: the fused q/k of mode " + std::to_string(mode)
+                                + ", group " + std::to_string(hq / hkv)
+                                + " (mode 2, groups up to 8 only)");
   if (splits < 1 || splits > max_attention_splits || (splits > 1 && partial == nullptr))
     throw std::invalid_argument("decode_attention: " + std::to_string(splits)
                                 + " splits (1.." + std::to_string(max_attention_splits)
                                 + ", a partial buffer when > 1)");
-  const attention_call a{q, kv, table, width, lengths, out, partial, splits, b, hq, hkv, mode};
+  const attention_call a{q, kv, table, width, lengths, out, partial, splits, b, hq, hkv, mode, qk};
   const int group = hq / hkv;
   if (d == 64)
     dispatch_group<64>(group, a, as_stream(stream));

@@ -145,9 +145,10 @@ __device__ __forceinline__ void finish_warps(float m, float l, unsigned char* sm
 }
 
 // Mode 2's kernel (torch_kernels_attention_t.cu) over grid (b, hkv, splits) for head_dim d and
-// group hq / hkv up to 8 (decode_attention checked the arguments); the merge is the caller's.
+// group hq / hkv up to 8 (decode_attention checked the arguments), with its own q/k when qk is
+// set; the merge is the caller's.
 void launch_transposed(const void* q, kv_target kv, const i64* table, int width,
                        const i64* lengths, void* out, float* partial, int splits, int b, int hq,
-                       int hkv, int d, cudaStream_t s);
+                       int hkv, int d, const attention_qk* qk, cudaStream_t s);
 
 } // namespace refit::inference::kernels::attention_detail

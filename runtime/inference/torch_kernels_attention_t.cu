@@ -18,6 +18,83 @@ constexpr int mma_t_smem() {
   return (NW * 32 * 2 + 8) * D * 2;
 }
 
+// qk_norm_rope_write's arithmetic for one head of one token, by one warp: in bf16 [D] RMS-normed
+// with w (fp32 sums: each lane's pairs, then warp_sum), RoPE'd at position p, out(dim, value).
+template <int D, class Out>
+__device__ __forceinline__ void norm_rope_head(const bf16* in, const bf16* w, const attention_qk& qk,
+                                               i64 p, int lane, Out&& out) {
+  constexpr int half = D / 2;
+  constexpr int PL = half / 32; // dim pairs (t, t + half) a lane takes
+  float a[PL], b[PL];
+  float ss = 0.0f;
+#pragma unroll
+  for (int j = 0; j < PL; ++j) {
+    a[j] = to_f(in[lane + 32 * j]);
+    b[j] = to_f(in[lane + 32 * j + half]);
+    ss += a[j] * a[j] + b[j] * b[j];
+  }
+  const float r = rsqrtf(warp_sum(ss) / static_cast<float>(D) + qk.eps);
+#pragma unroll
+  for (int j = 0; j < PL; ++j) {
+    const int t = lane + 32 * j;
+    const float x = a[j] * r * to_f(w[t]);
+    const float y = b[j] * r * to_f(w[t + half]);
+    const float c = qk.cos[p * half + t];
+    const float s = qk.sin[p * half + t];
+    out(t, to_bf(x * c - y * s));
+    out(t + half, to_bf(y * c + x * s));
+  }
+}
+
+// The block's q rows in shared memory (qs: 8 rows of D, chunk c of row r at c ^ r; rows >= G
+// zero): loaded from q, or (qk set) computed from qkv, and then the sequence's last position's K
+// and V written into the cache by the split whose tile holds that position (the block that reads
+// it; __syncthreads after this orders the write before its reads).
+template <int D, int G, int NW>
+__device__ __forceinline__ void stage_q(bf16* qs, const bf16* __restrict__ q, const attention_qk& qk,
+                                        const kv_target& kv, int b, int h, int split, int splits,
+                                        int length, int hq, int hkv) {
+  constexpr int RC = D / 8;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int head0 = h * G;
+  if (qk.qkv == nullptr) {
+    const uint4* qg = reinterpret_cast<const uint4*>(q + (static_cast<i64>(b) * hq + head0) * D);
+    for (int i = threadIdx.x; i < 8 * RC; i += NW * 32) { // row i / RC, chunk i % RC (swizzled)
+      const int r = i / RC;
+      reinterpret_cast<uint4*>(qs + r * D)[(i % RC) ^ r] =
+        r < G ? __ldg(qg + i) : make_uint4(0u, 0u, 0u, 0u);
+    }
+    return;
+  }
+  const bf16* qkv = static_cast<const bf16*>(qk.qkv);
+  const i64 cols = static_cast<i64>(hq + 2 * hkv) * D;
+  for (int r = warp; r < 8; r += NW) {
+    bf16* row = qs + r * D;
+    if (r < G)
+      norm_rope_head<D>(qkv + b * cols + static_cast<i64>(head0 + r) * D,
+                        static_cast<const bf16*>(qk.q_norm), qk, qk.positions[b], lane,
+                        [&](int dim, bf16 v) { row[(((dim >> 3) ^ r) << 3) + (dim & 7)] = v; });
+    else
+      for (int c = lane; c < RC; c += 32)
+        reinterpret_cast<uint4*>(row)[c] = make_uint4(0u, 0u, 0u, 0u);
+  }
+  if (length < 1 || ((length - 1) / 32) % splits != split || warp > 1)
+    return;
+  const i64 src = qk.src_row[b];
+  const i64 slot = qk.write_block[b] * kv.block_elems + kv.layer_offset
+                   + qk.write_slot[b] * static_cast<i64>(hkv) * D + static_cast<i64>(h) * D;
+  bf16* cache = static_cast<bf16*>(kv.base);
+  const bf16* in = qkv + src * cols + static_cast<i64>(hq + (warp == 0 ? h : hkv + h)) * D;
+  if (warp == 0) // K: normed and RoPE'd at the token's position
+    norm_rope_head<D>(in, static_cast<const bf16*>(qk.k_norm), qk, qk.positions[src], lane,
+                      [&](int dim, bf16 v) { cache[slot + dim] = v; });
+  else // V: as it is
+    for (int c = lane; c < RC; c += 32)
+      reinterpret_cast<uint4*>(cache + slot + kv.part_elems)[c] =
+        reinterpret_cast<const uint4*>(in)[c];
+}
+
 // Tensor cores, transposed (mode 2). Same blocks, tiles, softmax and combine as the kernel
 // above, but lane l copies both the K and the V row of position base + l to shared memory
 // (cp.async; 16-byte chunk c of row r at c ^ (r % 8): the 8 rows of an ldmatrix matrix fall in
@@ -38,7 +115,7 @@ __global__ void __launch_bounds__(NW * 32, 4)
                                 const i64* __restrict__ table, int width,
                                 const i64* __restrict__ lengths, bf16* __restrict__ out,
                                 float* __restrict__ partial, int splits, int hq, int hkv,
-                                float scale) {
+                                float scale, attention_qk qk) {
   pdl_enter();
   static_assert(G >= 1 && G <= 8 && (D == 64 || D == 128), "decode attention (mma_t): shape");
   constexpr int TILE = 32;
@@ -54,17 +131,12 @@ __global__ void __launch_bounds__(NW * 32, 4)
   const int g = lane >> 2;
   const int t = lane & 3;
   bf16* qs = reinterpret_cast<bf16*>(attention_smem) + NW * 2 * TILE * D; // q: 8 rows of D
-  const uint4* qg = reinterpret_cast<const uint4*>(q + (static_cast<i64>(b) * hq + head0) * D);
-  for (int i = threadIdx.x; i < 8 * RC; i += NW * 32) { // row i / RC, chunk i % RC (swizzled)
-    const int r = i / RC;
-    reinterpret_cast<uint4*>(qs + r * D)[(i % RC) ^ r] =
-      r < G ? __ldg(qg + i) : make_uint4(0u, 0u, 0u, 0u);
-  }
+  const int length = static_cast<int>(lengths[b]);
+  stage_q<D, G, NW>(qs, q, qk, kv, b, h, split, splits, length, hq, hkv);
   __syncthreads();
   float m = -INFINITY; // head g's running max (equal in its four lanes)
   float l = 0.0f;      // this thread's share of head g's sum
   float acc[KS][4] = {}; // O^T: [k][0], [1]: dim 16 k + g of heads 2t, 2t+1; [2], [3]: dim + 8
-  const int length = static_cast<int>(lengths[b]);
   const bf16* cache = static_cast<const bf16*>(kv.base);
   const i64* row_table = table + static_cast<i64>(b) * width;
   const i64 head_offset = kv.layer_offset + static_cast<i64>(h) * D;
@@ -161,23 +233,24 @@ __global__ void __launch_bounds__(NW * 32, 4)
 
 template <int D, int G>
 void launch_t(const void* q, kv_target kv, const i64* table, int width, const i64* lengths,
-              void* out, float* partial, int splits, int b, int hq, int hkv, cudaStream_t s) {
+              void* out, float* partial, int splits, int b, int hq, int hkv,
+              const attention_qk& qk, cudaStream_t s) {
   constexpr int NW = 4;
   launch_smem("decode_attention", decode_attention_mma_t_kernel<D, G, NW>, dim3(b, hkv, splits),
               dim3(NW * 32), mma_t_smem<D, NW>(), s, static_cast<const bf16*>(q), kv, table, width,
               lengths, static_cast<bf16*>(out), partial, splits, hq, hkv,
-              1.0f / std::sqrt(static_cast<float>(D)));
+              1.0f / std::sqrt(static_cast<float>(D)), qk);
 }
 
 template <int D>
 void launch_t_group(int group, const void* q, kv_target kv, const i64* table, int width,
                     const i64* lengths, void* out, float* partial, int splits, int b, int hq,
-                    int hkv, cudaStream_t s) {
+                    int hkv, const attention_qk& qk, cudaStream_t s) {
   switch (group) {
-    case 1: return launch_t<D, 1>(q, kv, table, width, lengths, out, partial, splits, b, hq, hkv, s);
-    case 2: return launch_t<D, 2>(q, kv, table, width, lengths, out, partial, splits, b, hq, hkv, s);
-    case 4: return launch_t<D, 4>(q, kv, table, width, lengths, out, partial, splits, b, hq, hkv, s);
-    case 8: return launch_t<D, 8>(q, kv, table, width, lengths, out, partial, splits, b, hq, hkv, s);
+    case 1: return launch_t<D, 1>(q, kv, table, width, lengths, out, partial, splits, b, hq, hkv, qk, s);
+    case 2: return launch_t<D, 2>(q, kv, table, width, lengths, out, partial, splits, b, hq, hkv, qk, s);
+    case 4: return launch_t<D, 4>(q, kv, table, width, lengths, out, partial, splits, b, hq, hkv, qk, s);
+    case 8: return launch_t<D, 8>(q, kv, table, width, lengths, out, partial, splits, b, hq, hkv, qk, s);
   }
   throw std::invalid_argument("decode_attention (mode 2): unsupported group " + std::to_string(group));
 }
@@ -186,11 +259,13 @@ void launch_t_group(int group, const void* q, kv_target kv, const i64* table, in
 
 void launch_transposed(const void* q, kv_target kv, const i64* table, int width,
                        const i64* lengths, void* out, float* partial, int splits, int b, int hq,
-                       int hkv, int d, cudaStream_t s) {
+                       int hkv, int d, const attention_qk* qk, cudaStream_t s) {
+  const attention_qk none;
+  const attention_qk& with = qk != nullptr ? *qk : none;
   if (d == 64)
-    launch_t_group<64>(hq / hkv, q, kv, table, width, lengths, out, partial, splits, b, hq, hkv, s);
+    launch_t_group<64>(hq / hkv, q, kv, table, width, lengths, out, partial, splits, b, hq, hkv, with, s);
   else if (d == 128)
-    launch_t_group<128>(hq / hkv, q, kv, table, width, lengths, out, partial, splits, b, hq, hkv, s);
+    launch_t_group<128>(hq / hkv, q, kv, table, width, lengths, out, partial, splits, b, hq, hkv, with, s);
   else
     throw std::invalid_argument("decode_attention (mode 2): unsupported head_dim " + std::to_string(d));
 }
