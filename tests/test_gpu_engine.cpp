@@ -127,13 +127,13 @@ TEST(GpuEngine, FusedKernelsWithBf16OutputsAndCudaCoreAttentionComputeWhatTheAte
 
 // Decode attention's transposed kernel (mode 2) alone, then with its own q/k norm + RoPE + K/V
 // writes (the one-row decode steps split each sequence: the split holding the last position
-// writes it) and the router as a GEMM + route_f32 instead of router_route.
-TEST(GpuEngine, TransposedAttentionAndItsOwnQkComputeWhatTheAtenPathComputes) {
+// writes it) and the router and routing in one kernel (router_route).
+TEST(GpuEngine, TransposedAttentionItsOwnQkAndTheFusedRouterComputeWhatTheAtenPathComputes) {
   REQUIRE_GPU();
   expect_fused_matches_aten({{"REFIT_ATTENTION_MMA", "2"}});
   expect_fused_matches_aten({{"REFIT_ATTENTION_MMA", "2"},
                              {"REFIT_ATTENTION_FUSED_QK", "1"},
-                             {"REFIT_FUSED_ROUTER", "0"}});
+                             {"REFIT_FUSED_ROUTER", "1"}});
 }
 
 TEST(GpuEngine, Bf16LogitsTrackTheFp32ReferenceAndTheCpuEngine) {

@@ -367,7 +367,7 @@ private:
   std::int64_t router_mma_max_rows_ = 32;
   // The router GEMM and the routing in one kernel (kernels::router_route; REFIT_FUSED_ROUTER=0|1)
   // instead of a GEMM (dense mode or cuBLAS) and route_f32.
-  std::int64_t fused_router_ = 1;
+  std::int64_t fused_router_ = 0;
   // Draws without top-k / top-p in one kernel (kernels::sample_plain) instead of the ATen chain
   // (REFIT_FUSED_SAMPLING=0|1).
   std::int64_t fused_sampling_ = 1;
