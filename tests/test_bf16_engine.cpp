@@ -283,12 +283,10 @@ TEST(Bf16Engine, AProgrammaticLaunchKnobThatIsNotZeroOrOneIsRefused) {
 // The tensor-core expert knobs: REFIT_EXPERT_MMA_MAX_COPIES is a count of routed copies,
 // REFIT_EXPERT_MMA_KSPLIT one of the k-splits the kernel has, REFIT_EXPERT_MMA_CHUNKS one of its
 // register stagings, REFIT_EXPERT_MMA_EVICT_FIRST 0 or 1, REFIT_DENSE_MMA_MAX_ROWS a row count
-// up to 64, REFIT_DENSE_GEMV_MAX_ROWS up to 8, REFIT_FUSED_SAMPLING, REFIT_FUSED_ROUTER,
-// REFIT_ATTENTION_FUSED_QK,
+// up to 64, REFIT_DENSE_GEMV_MAX_ROWS up to 8, REFIT_FUSED_SAMPLING, REFIT_ATTENTION_FUSED_QK,
 // REFIT_ROUTER_SPLIT, REFIT_LOGITS_FP32 and REFIT_RESIDUAL_FP32 0 or 1, REFIT_ATTENTION_MMA 0,
 // 1 or 2, REFIT_EXPERT_MMA_STAGES 0, 4 or 8, REFIT_EXPERT_MMA_EARLY 0 or 1,
-// REFIT_ROUTER_MMA_MAX_ROWS up to 128, REFIT_ATTENTION_SPLITS up to 16 and
-// REFIT_EXPERT_MMA_UP_TILES 0 (chosen), 1, 2, 3, 4 or 8 and _DOWN_TILES 1, 2, 3, 4 or 8.
+// REFIT_ROUTER_MMA_MAX_ROWS up to 128 and REFIT_ATTENTION_SPLITS up to 16.
 TEST(Bf16Engine, ExpertMmaKnobsOutsideTheirRangesAreRefusedNamingTheVariable) {
   expect_engine_knob("REFIT_EXPERT_MMA_MAX_COPIES", {"many", "-4", "4096 "}, " is not a count",
                      {"0", "4096"});
@@ -302,7 +300,6 @@ TEST(Bf16Engine, ExpertMmaKnobsOutsideTheirRangesAreRefusedNamingTheVariable) {
   expect_engine_knob("REFIT_DENSE_GEMV_MAX_ROWS", {"9", "eight"}, " is not a count of rows",
                      {"0", "8"});
   expect_engine_knob("REFIT_FUSED_SAMPLING", {"2", "on"}, " is not 0 or 1", {"0", "1"});
-  expect_engine_knob("REFIT_FUSED_ROUTER", {"2", "fused"}, " is not 0 or 1", {"0", "1"});
   expect_engine_knob("REFIT_ATTENTION_FUSED_QK", {"2", "qk"}, " is not 0 or 1", {"0", "1"});
   expect_engine_knob("REFIT_ROUTER_SPLIT", {"2", "split"}, " is not 0 or 1", {"0", "1"});
   expect_engine_knob("REFIT_LOGITS_FP32", {"fp32", "-1"}, " is not 0 or 1", {"0", "1"});
@@ -315,10 +312,6 @@ TEST(Bf16Engine, ExpertMmaKnobsOutsideTheirRangesAreRefusedNamingTheVariable) {
                      " is not a count of rows", {"0", "128"});
   expect_engine_knob("REFIT_ATTENTION_SPLITS", {"17", "auto", "-2"}, " is not a count of splits",
                      {"0", "1", "16"});
-  expect_engine_knob("REFIT_EXPERT_MMA_UP_TILES", {"5", "16", "two"}, " is not 0, 1, 2, 3, 4 or 8",
-                     {"0", "1", "3", "8"});
-  expect_engine_knob("REFIT_EXPERT_MMA_DOWN_TILES", {"0", "5", "16", "two"},
-                     " is not 1, 2, 3, 4 or 8", {"1", "3", "8"});
 }
 
 // The expert-GEMV tuning knob (REFIT_EXPERT_GEMV_MAX_COPIES) is a count of routed copies.

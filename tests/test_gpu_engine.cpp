@@ -125,15 +125,13 @@ TEST(GpuEngine, FusedKernelsWithBf16OutputsAndCudaCoreAttentionComputeWhatTheAte
                              {"REFIT_ATTENTION_MMA", "0"}});
 }
 
-// Decode attention's transposed kernel (mode 2) alone, then with its own q/k norm + RoPE + K/V
-// writes (the one-row decode steps split each sequence: the split holding the last position
-// writes it) and the router and routing in one kernel (router_route).
-TEST(GpuEngine, TransposedAttentionItsOwnQkAndTheFusedRouterComputeWhatTheAtenPathComputes) {
+// Decode attention by default: mode 2 with its own q/k norm + RoPE + K/V writes (the one-row
+// decode steps split each sequence: the split holding the last position writes it); here mode 2
+// after the q/k kernel, and mode 1 (the query heads as the mma rows).
+TEST(GpuEngine, TransposedAttentionAfterTheQkKernelAndModeOneComputeWhatTheAtenPathComputes) {
   REQUIRE_GPU();
-  expect_fused_matches_aten({{"REFIT_ATTENTION_MMA", "2"}});
-  expect_fused_matches_aten({{"REFIT_ATTENTION_MMA", "2"},
-                             {"REFIT_ATTENTION_FUSED_QK", "1"},
-                             {"REFIT_FUSED_ROUTER", "1"}});
+  expect_fused_matches_aten({{"REFIT_ATTENTION_MMA", "2"}, {"REFIT_ATTENTION_FUSED_QK", "0"}});
+  expect_fused_matches_aten({{"REFIT_ATTENTION_MMA", "1"}});
 }
 
 TEST(GpuEngine, Bf16LogitsTrackTheFp32ReferenceAndTheCpuEngine) {

@@ -3,11 +3,9 @@
 // uniform top-k routing (seeded), the counting sort once, then gate_up + down of every layer of
 // a ring of distinct layers (larger than L2) through the tensor-core kernel (expert_mma) at
 // each k-split and register staging (path "mma [auto] <ksplit up>/<ksplit down> c<chunks>",
-// the weights streamed with an L2 evict-first policy; "... l2-normal" without it; "... t<up>/
-// <down>": a warp streams that many tiles of gate_up / down in one pipeline), and the
+// the weights streamed with an L2 evict-first policy; "... l2-normal" without it), and the
 // expert GEMV path (gemv + SiLU + gemv) where it applies. The bytes are
-// the non-empty experts' weights; `ratio` = bytes / time / copy bound (read + write). Then
-// `router_rows`: the fused router + routing kernel (router_route) and route_f32 alone, per batch.
+// the non-empty experts' weights; `ratio` = bytes / time / copy bound (read + write).
 //
 //   refit-expert-bench [--batch 1,16,64,256] [--experts 128] [--top-k 8] [--hidden 2048]
 //                      [--inter 768] [--layers 6] [--repeat 10] [--json]
@@ -212,7 +210,6 @@ int main(int argc, char** argv) try {
       bool evict_first;   // the weight stream's L2 policy
       int stages;         // expert_mma_args::stages
       bool early;         // expert_mma_args::early
-      int up_tiles = 1, down_tiles = 1; // expert_mma_args::tiles of gate_up and down
     };
     std::vector<variant> variants;
     for (const int stages : {0, 4, 8})
@@ -224,16 +221,8 @@ int main(int argc, char** argv) try {
       variants.push_back({chunks, 0, false, 4, false});
       variants.push_back({chunks, 0, true, 4, true});
     }
-    // A warp's run of tiles in one stream (the engine's staging: 2 chunks, 4 stages, early).
-    for (const auto& [up_tiles, down_tiles] :
-         {std::pair{1, 2}, std::pair{1, 4}, std::pair{1, 8}, std::pair{2, 1}, std::pair{3, 1},
-          std::pair{4, 1}, std::pair{2, 2}, std::pair{2, 4}, std::pair{3, 4}, std::pair{4, 4}})
-      variants.push_back({2, 0, true, 4, true, up_tiles, down_tiles});
-    for (const auto& [chunks, wanted, evict_first, stages, early, up_tiles, down_tiles] :
-         variants) {
+    for (const auto& [chunks, wanted, evict_first, stages, early] : variants) {
       kernels::expert_mma_args up, down;
-      up.tiles = up_tiles;
-      down.tiles = down_tiles;
       up.max_chunks = down.max_chunks = chunks;
       up.evict_first = down.evict_first = evict_first;
       up.stages = down.stages = stages;
@@ -263,10 +252,7 @@ int main(int argc, char** argv) try {
       measure(std::string(wanted == 0 ? "mma auto " : "mma ") + std::to_string(ks_up) + "/"
                 + std::to_string(ks_down) + " c" + std::to_string(chunks) + " s"
                 + std::to_string(stages) + (evict_first ? "" : " l2-normal")
-                + (early ? " early" : "")
-                + (up_tiles > 1 || down_tiles > 1 ? " t" + std::to_string(up_tiles) + "/"
-                                                        + std::to_string(down_tiles)
-                                                  : ""),
+                + (early ? " early" : ""),
               [&](int l) {
                 up.w = w13[static_cast<std::size_t>(l)].p;
                 down.w = w2[static_cast<std::size_t>(l)].p;
@@ -298,43 +284,6 @@ int main(int argc, char** argv) try {
         g.k = in;
         kernels::expert_gemv(g, s);
       });
-  }
-  // The router and routing of a decode step in one launch (router_route, the split input hi +
-  // lo) against route_f32 alone (the two-kernel path's second kernel, after a router GEMM not
-  // timed here), per batch: microseconds a layer.
-  out["router_rows"] = nlohmann::json::array();
-  {
-    const std::size_t rows = std::size_t(max_batch) * h;
-    const auto hi = filled<bf16_bits>(rows, 0x3c), lo = filled<bf16_bits>(rows, 0x1c);
-    std::vector<cuda::device_array<bf16_bits>> wr;
-    for (int l = 0; l < o.layers; ++l)
-      wr.push_back(filled<bf16_bits>(std::size_t(e) * h, 0x3c + l));
-    const auto logits = filled<float>(std::size_t(2) * max_batch * e, 0);
-    const auto counters = filled<int>(kernels::router_route_max_groups, 0);
-    const cuda::device_array<std::int64_t> ids(0, std::size_t(max_batch) * o.top_k, "router ids");
-    const cuda::device_array<float> weights(0, std::size_t(max_batch) * o.top_k, "router weights");
-    for (const int batch : o.batches) {
-      const auto time = [&](const char* path, auto&& step) {
-        step(0); // warm-up
-        const double us = t.seconds([&] {
-          for (int r = 0; r < o.repeat; ++r)
-            for (int l = 0; l < o.layers; ++l)
-              step(l);
-        }) / (double(o.repeat) * o.layers) * 1e6;
-        if (!o.json)
-          std::printf("batch %4d  %-26s %7.2f us\n", batch, path, us);
-        out["router_rows"].push_back({{"batch", batch}, {"path", path}, {"layer_us", us}});
-      };
-      if (kernels::router_route_supported(batch, e, o.top_k, h))
-        time("router_route", [&](int l) {
-          kernels::router_route(hi.p, lo.p, wr[static_cast<std::size_t>(l)].p, batch, e, h,
-                                o.top_k, true, logits.p, counters.p, ids.p, weights.p, s);
-        });
-      time("route_f32 (after a GEMM)", [&](int) {
-        kernels::route_f32(logits.p, logits.p + std::size_t(batch) * e, batch, e, o.top_k, true,
-                           ids.p, weights.p, s);
-      });
-    }
   }
   if (o.json)
     std::printf("%s\n", out.dump(1).c_str());

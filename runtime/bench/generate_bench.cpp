@@ -431,8 +431,7 @@ json generate_bench::run() {
                            "REFIT_RESIDUAL_FP32", "REFIT_ATTENTION_MMA",
                            "REFIT_ATTENTION_SPLITS", "REFIT_EXPERT_MMA_STAGES",
                            "REFIT_EXPERT_MMA_EARLY", "REFIT_ROUTER_MMA_MAX_ROWS",
-                           "REFIT_EXPERT_MMA_UP_TILES", "REFIT_EXPERT_MMA_DOWN_TILES",
-                           "REFIT_FUSED_ROUTER", "REFIT_ATTENTION_FUSED_QK"})
+                           "REFIT_ATTENTION_FUSED_QK"})
     if (const char* v = std::getenv(knob); v != nullptr)
       out["engine_env"][knob] = v;
   out["compute_dtype"] = cfg_.runtime.compute_dtype;

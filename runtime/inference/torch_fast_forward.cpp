@@ -98,8 +98,6 @@ fast_rank_forward::fast_rank_forward(const rank_forward_options& o)
   fused_ = device_.is_cuda() && o.fused_kernels;
   fused_decode_attention_ = kernels::decode_attention_supported(
     static_cast<int>(head_dim_), static_cast<int>(q_heads_ / kv_heads_));
-  if (fused_)
-    router_counters_ = at::zeros({kernels::router_route_max_groups}, i64_.dtype(at::kInt));
 #endif
   gemv_max_copies_ = count_knob("REFIT_EXPERT_GEMV_MAX_COPIES", gemv_max_copies_, "routed copies");
   mma_max_copies_ = count_knob("REFIT_EXPERT_MMA_MAX_COPIES", mma_max_copies_, "routed copies");
@@ -108,12 +106,7 @@ fast_rank_forward::fast_rank_forward(const rank_forward_options& o)
   mma_evict_first_ = choice_knob("REFIT_EXPERT_MMA_EVICT_FIRST", {"0", "1"}, mma_evict_first_);
   mma_stages_ = choice_knob("REFIT_EXPERT_MMA_STAGES", {"0", "4", "8"}, mma_stages_);
   mma_early_ = choice_knob("REFIT_EXPERT_MMA_EARLY", {"0", "1"}, mma_early_);
-  mma_up_tiles_ =
-    choice_knob("REFIT_EXPERT_MMA_UP_TILES", {"0", "1", "2", "3", "4", "8"}, mma_up_tiles_);
-  mma_down_tiles_ =
-    choice_knob("REFIT_EXPERT_MMA_DOWN_TILES", {"1", "2", "3", "4", "8"}, mma_down_tiles_);
   fused_sampling_ = choice_knob("REFIT_FUSED_SAMPLING", {"0", "1"}, fused_sampling_);
-  fused_router_ = choice_knob("REFIT_FUSED_ROUTER", {"0", "1"}, fused_router_);
   router_split_ = choice_knob("REFIT_ROUTER_SPLIT", {"0", "1"}, router_split_);
   logits_fp32_ = choice_knob("REFIT_LOGITS_FP32", {"0", "1"}, logits_fp32_);
   residual_fp32_ = choice_knob("REFIT_RESIDUAL_FP32", {"0", "1"}, residual_fp32_);

@@ -318,8 +318,6 @@ private:
   at::Tensor cos_, sin_;
   std::int64_t rope_positions_ = 0;
   at::Tensor expert_loads_;
-  // kernels::router_route's group counters (int [router_route_max_groups], kept zero by it).
-  at::Tensor router_counters_;
   forward_counters counters_;
   bool graphs_enabled_ = false;
   bool device_comm_ = false;            // tp > 1 on a GPU with a device comm (NCCL)
@@ -344,14 +342,6 @@ private:
   // expert_mma_args::early (REFIT_EXPERT_MMA_EARLY): the first weight stages copied before the
   // wait for the kernel before (the experts by id from 4 routed copies an expert on).
   std::int64_t mma_early_ = 1;
-  // expert_mma_args::tiles of gate_up and of down (REFIT_EXPERT_MMA_UP_TILES,
-  // REFIT_EXPERT_MMA_DOWN_TILES: 1, 2, 3, 4 or 8; gate_up 0: chosen): the 16-row tiles a warp
-  // streams in one pipeline when the k is not split. H200, the expert kernels alone
-  // (refit-expert-bench, us a layer, gate_up/down tiles 1/1, 1/2, 2/2): batch 16 222, 215, 209;
-  // 64 318, 307, 302; 256 441, 422, 439: down 2 always, gate_up 2 up to 4 routed copies an
-  // expert on average.
-  std::int64_t mma_up_tiles_ = 0;
-  std::int64_t mma_down_tiles_ = 2;
   // Rows up to which qkv, o_proj and the router take the dense GEMV (REFIT_DENSE_GEMV_MAX_ROWS,
   // at most 8), then the tensor-core kernel (dense_mma) instead of cuBLAS
   // (REFIT_DENSE_MMA_MAX_ROWS, at most 64; 0: off).
@@ -365,9 +355,6 @@ private:
   // beats cuBLAS (12.72 vs 12.95 ms a step); at 64 (128 rows, two passes) it loses (19.38 vs
   // 18.85).
   std::int64_t router_mma_max_rows_ = 32;
-  // The router GEMM and the routing in one kernel (kernels::router_route; REFIT_FUSED_ROUTER=0|1)
-  // instead of a GEMM (dense mode or cuBLAS) and route_f32.
-  std::int64_t fused_router_ = 0;
   // Draws without top-k / top-p in one kernel (kernels::sample_plain) instead of the ATen chain
   // (REFIT_FUSED_SAMPLING=0|1).
   std::int64_t fused_sampling_ = 1;
@@ -383,11 +370,12 @@ private:
   std::int64_t residual_fp32_ = 1;
   // Decode attention's kernel (REFIT_ATTENTION_MMA, kernels::decode_attention's mode): 0 CUDA
   // cores, 1 tensor cores with the heads as rows, 2 tensor cores with O transposed (groups up to
-  // 8; group 16 takes CUDA cores).
-  std::int64_t attention_mma_ = 1;
-  // Mode 2 only: the attention kernel does the q/k norm + RoPE + K/V writes itself instead of
-  // qk_norm_rope_write (REFIT_ATTENTION_FUSED_QK=0|1).
-  std::int64_t attention_fused_qk_ = 0;
+  // 8; group 16 takes CUDA cores). Mode 2 with its own q/k (REFIT_ATTENTION_FUSED_QK=0|1: the
+  // attention kernel does the q/k norm + RoPE + K/V writes instead of qk_norm_rope_write).
+  // H200, batch 64, one lease, two interleaved runs each: mode 1 18.36 / 18.28 ms a step, mode 2
+  // 18.31 / 18.20, mode 2 with its own q/k 18.29 / 18.17; batch 1, 16 and 256 within noise.
+  std::int64_t attention_mma_ = 2;
+  std::int64_t attention_fused_qk_ = 1;
   // Decode attention's splits of each sequence (REFIT_ATTENTION_SPLITS, at most 16); 0: chosen
   // from the batch (decode_attention_splits).
   std::int64_t attention_splits_ = 0;

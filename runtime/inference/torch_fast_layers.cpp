@@ -157,41 +157,20 @@ at::Tensor fast_rank_forward::experts(const layer_tensors& w, const at::Tensor& 
   [[maybe_unused]] const std::int64_t copies = n * top_k_;
   at::Tensor counts, offsets, order, src_token, inverse, active;
   // The router's logits: fp32 from router_in (bf16 [2n, H]: hi . W + lo . W, one GEMM over the
-  // stacked rows; fp32 [n, H] on the ATen path), else bf16 from h; on a GPU up to 512 tokens
-  // router and routing are one kernel (router_route: (hi + lo) . W).
+  // stacked rows; fp32 [n, H] on the ATen path), else bf16 from h.
   at::Tensor router_logits;
   bool two_parts = false;
+  if (router_in.defined() && router_in.scalar_type() == at::kFloat) {
+    router_logits = at::matmul(router_in, w.router.to(at::kFloat).t());
+  } else if (router_in.defined()) {
+    router_logits = linear_f32(router_in, w.router, router_mma_max_rows_).contiguous();
+    two_parts = true;
+  } else {
+    router_logits = linear(h, w.router);
+  }
 #if defined(REFIT_TORCH_CUDA)
   const int ni = static_cast<int>(n), ei = static_cast<int>(experts_), ki = static_cast<int>(top_k_);
-  // The router and the routing in one kernel, from the bf16 rows (hi, then lo when split).
-  const at::Tensor& router_x = router_in.defined() ? router_in : h;
-  if (fused_ && fused_router_ != 0 && router_x.scalar_type() == at::kBFloat16
-      && streamable(router_x) && streamable(w.router)
-      && kernels::router_route_supported(ni, ei, ki, static_cast<int>(hidden_))) {
-    at::Tensor ids = at::empty({n, top_k_}, i64_);
-    weights = at::empty({n, top_k_}, f32_);
-    const at::Tensor logits = at::empty({n, experts_}, f32_);
-    const auto* rows = static_cast<const c10::BFloat16*>(router_x.data_ptr());
-    kernels::router_route(rows, router_in.defined() ? rows + n * hidden_ : nullptr,
-                          w.router.data_ptr(),
-                          ni, ei, static_cast<int>(hidden_), ki, cfg_.norm_topk_prob,
-                          logits.data_ptr<float>(), router_counters_.data_ptr<int>(),
-                          ids.data_ptr<std::int64_t>(), weights.data_ptr<float>(), stream());
-    chosen = ids.reshape({-1});
-  }
-#endif
-  if (!chosen.defined()) {
-    if (router_in.defined() && router_in.scalar_type() == at::kFloat) {
-      router_logits = at::matmul(router_in, w.router.to(at::kFloat).t());
-    } else if (router_in.defined()) {
-      router_logits = linear_f32(router_in, w.router, router_mma_max_rows_).contiguous();
-      two_parts = true;
-    } else {
-      router_logits = linear(h, w.router);
-    }
-  }
-#if defined(REFIT_TORCH_CUDA)
-  if (!chosen.defined() && fused_ && kernels::route_supported(ei, ki)) {
+  if (fused_ && kernels::route_supported(ei, ki)) {
     at::Tensor ids = at::empty({n, top_k_}, i64_);
     weights = at::empty({n, top_k_}, f32_);
     if (router_logits.scalar_type() == at::kFloat) {
@@ -297,10 +276,7 @@ at::Tensor fast_rank_forward::expert_projections(const layer_tensors& w, const a
     up.rows = static_cast<int>(w.w13.size(1));
     up.k = static_cast<int>(w.w13.size(2));
     up.glu = true;
-    up.tiles = static_cast<int>(mma_up_tiles_ > 0 ? mma_up_tiles_
-                                : copies <= 4 * experts_ ? 2 : 1); // see mma_up_tiles_
     down.w = w.w2.data_ptr();
-    down.tiles = static_cast<int>(mma_down_tiles_);
     down.rows = static_cast<int>(w.w2.size(1));
     down.k = static_cast<int>(w.w2.size(2));
     for (kernels::expert_mma_args* a : {&up, &down}) {

@@ -88,18 +88,6 @@ void route(const void* logits, int n, int experts, int top_k, bool renormalize,
 void route_f32(const float* logits, const float* lo, int n, int experts, int top_k,
                bool renormalize, std::int64_t* ids, float* weights, void* stream);
 
-// The router and route_f32 in one launch: logits fp32 [n, e] = (hi + lo) . w^T (hi, lo bf16
-// [n, h], lo may be null; w bf16 [e, h]; fp32 sums in a fixed order) written to `logits`, then
-// the same softmax / top-k into ids and weights. counters: int [router_route_max_groups], zero
-// before the first launch, left zero by every launch (one per group of 8 tokens: the last block of
-// a group to finish routes it). h a multiple of 256 up to 4096, n up to 8 * max_groups (prefill
-// takes the GEMM: this kernel's CUDA-core sums are for few rows).
-inline constexpr int router_route_max_groups = 64; // 512 tokens: decode steps
-bool router_route_supported(int n, int experts, int top_k, int h);
-void router_route(const void* hi, const void* lo, const void* w, int n, int experts, int h,
-                  int top_k, bool renormalize, float* logits, int* counters, std::int64_t* ids,
-                  float* weights, void* stream);
-
 // Counting sort of the n * top_k routed copies by expert, stable in flat index order:
 // counts int64 [e], offsets int32 [e] (cumulative ends), order int64 [m] (sorted position ->
 // flat index), src_token int64 [m] (= order / top_k), inverse int64 [m] (flat -> sorted),
@@ -178,12 +166,7 @@ struct expert_mma_args {
   // expert id over all `experts` (an empty expert's leave after the wait; worth it when nearly
   // every expert is routed) instead of over the non-empty list. The dense mode takes it too.
   bool early = false;
-  // Weight tiles (16 rows) a warp streams one after the other in one pipeline, 1..
-  // max_expert_mma_tiles (k-split 1 only; a k-split takes one): fewer pipeline ramps per byte
-  // when a tile is short (the down projection: 16 x 768), fewer and longer blocks.
-  int tiles = 1;
 };
-inline constexpr int max_expert_mma_tiles = 8;
 bool expert_mma_supported(const expert_mma_args& args);
 int expert_mma_ksplit(const expert_mma_args& args, int copies, int experts, int wanted);
 void expert_mma(const expert_mma_args& args, int copies, int experts, int ksplit, void* stream);

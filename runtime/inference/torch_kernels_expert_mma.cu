@@ -110,105 +110,54 @@ __device__ __forceinline__ void read_stage(const uint4* slot, uint4 (&a)[CH], ui
   }
 }
 
-// Where a warp's weight stream is: tile j of its run of tiles, k-iteration kk of that tile.
-// A warp streams its tiles one after the other in one pipeline (expert_mma_args::tiles), so the
-// copies of the next tile are in flight while the last k-steps of this one feed the MMAs.
-struct stream_pos {
-  int j = 0, kk = 0;
-  __device__ __forceinline__ void next(int iters) {
-    if (++kk == iters) {
-      kk = 0;
-      ++j;
-    }
-  }
-};
-
-// The first S stages of a run of `ntiles` tiles (one commit group each, empty past the end: the
-// counts stay); `at` ends S stages in (where the next copy starts).
+// The first S stages of a pass (one commit group each, empty past the end: the counts stay).
 template <int CH, int S>
 __device__ __forceinline__ void prefetch_stages(uint4* ring, const bf16* wa, const bf16* wb,
-                                                int tile_step, int lane_k, int iters, int ntiles,
-                                                unsigned long long policy, stream_pos& at) {
+                                                int lane_k, int iters, unsigned long long policy) {
 #pragma unroll
   for (int s = 0; s < S; ++s) {
-    if (at.j < ntiles) {
-      copy_stage<CH>(ring + s * stage_uint4s<CH>, wa + at.j * tile_step, wb + at.j * tile_step,
-                     lane_k + at.kk * 32 * CH, policy);
-      at.next(iters);
-    }
+    if (s < iters)
+      copy_stage<CH>(ring + s * stage_uint4s<CH>, wa, wb, lane_k + s * 32 * CH, policy);
     asm volatile("cp.async.commit_group;" ::: "memory");
   }
 }
 
-// One pass over the weight rows of the warp's `ntiles` tiles (tile j's rows tile_step elements
-// after tile j - 1's) for the live token tiles; `done(j, acc)` takes each tile's sums as its last
-// k-step is done, and acc starts again from zero; the last tile's sums stay in acc. With S == 0 two register stages ping-pong (one
-// in flight while the other feeds the MMAs), tile by tile; with S >= 2 S stages of cp.async in
-// the warp's ring of shared memory (S - 1 in flight while one feeds the MMAs: more bytes in flight
-// per SM than registers hold), across the tiles' boundaries. Stage `it` is read into registers
-// and used by the MMAs before its slot is refilled, in the lane's own program order (the MMAs
-// wait for the registers), so a slot is never overwritten while it is read. `prefetched`: the
-// first S stages are already in flight (prefetch_stages).
-template <int CH, int TT, int S, class Done>
+// One pass over the weight rows of the thread's warp tile for the live token tiles: with S == 0
+// two register stages ping-pong (one in flight while the other feeds the MMAs); with S >= 2 S
+// stages of cp.async in the warp's ring of shared memory (S - 1 in flight while one feeds the
+// MMAs: more bytes in flight per SM than registers hold). Stage `it` is read into registers and
+// used by the MMAs before its slot is refilled, in the lane's own program order (the MMAs wait
+// for the registers), so a slot is never overwritten while it is read.
+template <int CH, int TT, int S>
 __device__ __forceinline__ void weight_pass(const bf16* const (&xr)[TT], int tiles,
-                                            const bf16* wa, const bf16* wb, int tile_step,
-                                            int ntiles, int lane_k, int iters,
+                                            const bf16* wa, const bf16* wb, int lane_k, int iters,
                                             unsigned long long policy, uint4* ring,
-                                            float (&acc)[TT][4], bool prefetched, Done&& done) {
-  const auto restart = [&]() {
-#pragma unroll
-    for (int tt = 0; tt < TT; ++tt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        acc[tt][i] = 0.0f;
-  };
+                                            float (&acc)[TT][4], bool prefetched) {
   if constexpr (S == 0) {
-    for (int j = 0; j < ntiles; ++j) {
-      const bf16* ta = wa + j * tile_step;
-      const bf16* tb = wb + j * tile_step;
-      uint4 sa[2][CH], sb[2][CH];
-      load_stage<CH>(ta, tb, lane_k, policy, sa[0], sb[0]);
-      for (int it = 0; it < iters; it += 2) {
-        const int off = it * 32 * CH;
-        if (it + 1 < iters)
-          load_stage<CH>(ta, tb, lane_k + off + 32 * CH, policy, sa[1], sb[1]);
-        mma_stage<CH, TT>(xr, off, tiles, sa[0], sb[0], acc);
-        if (it + 2 < iters)
-          load_stage<CH>(ta, tb, lane_k + off + 64 * CH, policy, sa[0], sb[0]);
-        if (it + 1 < iters)
-          mma_stage<CH, TT>(xr, off + 32 * CH, tiles, sa[1], sb[1], acc);
-      }
-      if (j + 1 < ntiles) {
-        done(j, acc);
-        restart();
-      }
+    uint4 sa[2][CH], sb[2][CH];
+    load_stage<CH>(wa, wb, lane_k, policy, sa[0], sb[0]);
+    for (int it = 0; it < iters; it += 2) {
+      const int off = it * 32 * CH;
+      if (it + 1 < iters)
+        load_stage<CH>(wa, wb, lane_k + off + 32 * CH, policy, sa[1], sb[1]);
+      mma_stage<CH, TT>(xr, off, tiles, sa[0], sb[0], acc);
+      if (it + 2 < iters)
+        load_stage<CH>(wa, wb, lane_k + off + 64 * CH, policy, sa[0], sb[0]);
+      if (it + 1 < iters)
+        mma_stage<CH, TT>(xr, off + 32 * CH, tiles, sa[1], sb[1], acc);
     }
   } else {
-    stream_pos copy; // the next stage to copy
-    if (!prefetched) {
-      prefetch_stages<CH, S>(ring, wa, wb, tile_step, lane_k, iters, ntiles, policy, copy);
-    } else {
-      for (int s = 0; s < S && copy.j < ntiles; ++s)
-        copy.next(iters);
-    }
-    stream_pos use; // the stage the MMAs take, from ring slot `r`
-    for (int r = 0; use.j < ntiles; r = (r + 1) % S) {
-      uint4* slot = ring + r * stage_uint4s<CH>;
-      asm volatile("cp.async.wait_group %0;" ::"n"(S - 1) : "memory"); // stage `use` landed
+    if (!prefetched)
+      prefetch_stages<CH, S>(ring, wa, wb, lane_k, iters, policy);
+    for (int it = 0; it < iters; ++it) {
+      uint4* slot = ring + (it % S) * stage_uint4s<CH>;
+      asm volatile("cp.async.wait_group %0;" ::"n"(S - 1) : "memory"); // stage `it` landed
       uint4 a[CH], b[CH];
       read_stage<CH>(slot, a, b);
-      mma_stage<CH, TT>(xr, use.kk * 32 * CH, tiles, a, b, acc);
-      if (copy.j < ntiles) {
-        copy_stage<CH>(slot, wa + copy.j * tile_step, wb + copy.j * tile_step,
-                       lane_k + copy.kk * 32 * CH, policy);
-        copy.next(iters);
-      }
+      mma_stage<CH, TT>(xr, it * 32 * CH, tiles, a, b, acc);
+      if (it + S < iters)
+        copy_stage<CH>(slot, wa, wb, lane_k + (it + S) * 32 * CH, policy);
       asm volatile("cp.async.commit_group;" ::: "memory");
-      if (use.kk == iters - 1 && use.j + 1 < ntiles) {
-        done(use.j, acc);
-        restart();
-      }
-      use.next(iters);
     }
     asm volatile("cp.async.wait_group 0;" ::: "memory");
   }
@@ -230,10 +179,9 @@ int mma_smem_bytes(int ksplit) {
 // token's row; chunk (e0..e7) feeds two MMAs, (e0 e1 | e2 e3) as the virtual columns
 // (2t, 2t+1 | 2t+8, 2t+9) and (e4 e5 | e6 e7) likewise, for A and for B.
 //
-// Block (x, y): the y-th non-empty expert (active; early: expert y), row_warps = 8 / ksplit
-// warps' runs of warp_tiles tiles from tile x * row_warps * warp_tiles on, each tile's k split
-// over ksplit warps (partial sums added through shared memory, in slice order: deterministic);
-// warp_tiles > 1 only with ksplit 1, a warp's tiles in one stream of weights.
+// Block (x, y): the y-th non-empty expert (active; early: expert y), warp tiles x * row_warps
+// .. + row_warps (row_warps = 8 / ksplit), each tile's k split over ksplit warps (partial sums
+// added through shared memory, in slice order: deterministic).
 // GLU: tile r holds gate rows 8r..8r+7 (A rows 0..7) and their up rows rows / 2 + 8r.. (A
 // rows 8..15) of w [e, rows, k]; y [m, rows / 2] = silu(gate) * up. Else tile r holds rows
 // 16r..16r+15 of w [e, rows, k]; y [m, rows].
@@ -247,8 +195,8 @@ __global__ void __launch_bounds__(mma_warps * 32, CH >= 4 && S == 0 ? 1 : 2)
                     const bf16* __restrict__ w, const int* __restrict__ active,
                     const int* __restrict__ active_count, const i64* __restrict__ counts,
                     const int* __restrict__ offsets, void* __restrict__ y_out, int rows,
-                    int k, int ksplit, int warp_tiles, bool evict_first, int dense_count,
-                    bool y_f32, bool early) {
+                    int k, int ksplit, bool evict_first, int dense_count, bool y_f32,
+                    bool early) {
   // early (S > 0): the weights do not depend on the kernel before this one, so a block
   // starts copying its first stages before waiting for it (griddepcontrol.wait). Experts are
   // then blocks by id (grid y = all experts, an empty one's block leaves after the wait), not
@@ -275,14 +223,11 @@ __global__ void __launch_bounds__(mma_warps * 32, CH >= 4 && S == 0 ? 1 : 2)
   const int row_warps = mma_warps / ksplit;
   const int wr = warp % row_warps;
   const int wk = warp / row_warps;
-  // The warp's run of tiles (warp_tiles > 1 only with ksplit 1): tile0 .. tile0 + ntiles - 1.
-  const int tile0 = (blockIdx.x * row_warps + wr) * warp_tiles;
-  const int ntiles = max(0, min(warp_tiles, rows / 16 - tile0));
-  const bool live = ntiles > 0; // the last block's spare warps only join the barriers
-  const i64 ra = GLU ? tile0 * 8 + g : tile0 * 16 + g;
+  const int tile = blockIdx.x * row_warps + wr;
+  const bool live = tile < rows / 16; // the last block's spare warps only join the barriers
+  const i64 ra = GLU ? tile * 8 + g : tile * 16 + g;
   const int cols = GLU ? rows / 2 : rows; // y's row length
-  const i64 rb = GLU ? cols + tile0 * 8 + g : tile0 * 16 + 8 + g;
-  const int tile_step = (GLU ? 8 : 16) * k; // one tile's rows further on (elements)
+  const i64 rb = GLU ? cols + tile * 8 + g : tile * 16 + 8 + g;
   const bf16* wa = w + (static_cast<i64>(e) * rows + ra) * k;
   const bf16* wb = w + (static_cast<i64>(e) * rows + rb) * k;
   const int span = k / ksplit;
@@ -292,10 +237,8 @@ __global__ void __launch_bounds__(mma_warps * 32, CH >= 4 && S == 0 ? 1 : 2)
   uint4* ring = mma_smem + warp * (S * stage_uint4s<CH>) + lane;
   if (early) {
     if constexpr (S > 0)
-      if (live) {
-        stream_pos at;
-        prefetch_stages<CH, S>(ring, wa, wb, tile_step, lane_k, iters, ntiles, policy, at);
-      }
+      if (live)
+        prefetch_stages<CH, S>(ring, wa, wb, lane_k, iters, policy);
     pdl_enter();
   }
   if (dense_count == 0) {
@@ -308,28 +251,6 @@ __global__ void __launch_bounds__(mma_warps * 32, CH >= 4 && S == 0 ? 1 : 2)
   }
   for (int base = 0; base < count; base += 8 * TT) {
     const int tiles = min(TT, (count - base + 7) / 8);
-    // Tile j's sums of the pass's token tiles into y.
-    const auto store = [&](int j, const float (&acc)[TT][4]) {
-      const i64 ja = ra + (GLU ? 8 : 16) * j, jb = rb + (GLU ? 8 : 16) * j;
-#pragma unroll
-      for (int tt = 0; tt < TT; ++tt)
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const int token = base + tt * 8 + 2 * t + c;
-          if (tt >= tiles || token >= count)
-            continue;
-          const i64 p = first + token;
-          if (GLU) {
-            y[p * cols + ja] = to_bf(silu(acc[tt][c]) * acc[tt][2 + c]);
-          } else if (y_f32) {
-            yf[p * cols + ja] = acc[tt][c];
-            yf[p * cols + jb] = acc[tt][2 + c];
-          } else {
-            y[p * cols + ja] = to_bf(acc[tt][c]);
-            y[p * cols + jb] = to_bf(acc[tt][2 + c]);
-          }
-        }
-    };
     const bf16* xr[TT];
 #pragma unroll
     for (int tt = 0; tt < TT; ++tt) {
@@ -338,8 +259,8 @@ __global__ void __launch_bounds__(mma_warps * 32, CH >= 4 && S == 0 ? 1 : 2)
     }
     float acc[TT][4] = {};
     if (live)
-      weight_pass<CH, TT, S>(xr, tiles, wa, wb, tile_step, ntiles, lane_k, iters, policy, ring,
-                             acc, early && base == 0, store);
+      weight_pass<CH, TT, S>(xr, tiles, wa, wb, lane_k, iters, policy, ring, acc,
+                             early && base == 0);
     if (ksplit > 1) { // the k-slices' sums into the first slice's warp, in slice order
       __syncthreads();
       if (wk > 0) {
@@ -364,8 +285,26 @@ __global__ void __launch_bounds__(mma_warps * 32, CH >= 4 && S == 0 ? 1 : 2)
                 acc[tt][i] += other[tt * 128 + i];
         }
     }
-    if (wk == 0 && live)
-      store(ntiles - 1, acc); // the last tile's sums (the others left through store already)
+    if (wk == 0 && live) {
+#pragma unroll
+      for (int tt = 0; tt < TT; ++tt)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int token = base + tt * 8 + 2 * t + j;
+          if (tt >= tiles || token >= count)
+            continue;
+          const i64 p = first + token;
+          if (GLU) {
+            y[p * cols + tile * 8 + g] = to_bf(silu(acc[tt][j]) * acc[tt][2 + j]);
+          } else if (y_f32) {
+            yf[p * cols + ra] = acc[tt][j];
+            yf[p * cols + rb] = acc[tt][2 + j];
+          } else {
+            y[p * cols + ra] = to_bf(acc[tt][j]);
+            y[p * cols + rb] = to_bf(acc[tt][2 + j]);
+          }
+        }
+    }
   }
 }
 
@@ -386,21 +325,18 @@ int lane_chunks(const expert_mma_args& a, int ksplit) {
 // Warp tiles per expert: 16 weight rows each (GLU: 8 gate rows and their 8 up rows).
 int warp_tiles(const expert_mma_args& a) { return a.rows / 16; }
 
-// The tiles one warp streams in turn: expert_mma_args::tiles with ksplit 1, else 1.
-int tiles_per_warp(const expert_mma_args& a, int ksplit) { return ksplit == 1 ? a.tiles : 1; }
-
 // Whole 16-row tiles, and 1, 2, 4 or 8 warps per tile dividing k (at least 32) into slices the
 // staging divides.
 bool ksplit_fits(const expert_mma_args& a, int ksplit) {
   return ksplit >= 1 && ksplit <= mma_max_ksplit && (ksplit & (ksplit - 1)) == 0
-         && a.tiles >= 1 && a.tiles <= max_expert_mma_tiles && a.rows >= 16 && a.rows % 16 == 0 && a.k >= 32 && a.k % ksplit == 0
+         && a.rows >= 16 && a.rows % 16 == 0 && a.k >= 32 && a.k % ksplit == 0
          && lane_chunks(a, ksplit) > 0;
 }
 
-// Blocks per expert: row_warps runs of tiles each, the last one possibly in part.
+// Blocks per expert: row_warps tiles each, the last one possibly in part.
 int blocks_per_expert(const expert_mma_args& a, int ksplit) {
-  const int per_block = mma_warps / ksplit * tiles_per_warp(a, ksplit);
-  return (warp_tiles(a) + per_block - 1) / per_block;
+  const int row_warps = mma_warps / ksplit;
+  return (warp_tiles(a) + row_warps - 1) / row_warps;
 }
 
 template <int CH, bool GLU, int TT, int S>
@@ -410,8 +346,7 @@ void launch_mma(const expert_mma_args& a, int ksplit, int grid_y, int dense_coun
   launch_smem(dense_count > 0 ? "dense_mma" : "expert_mma", expert_mma_kernel<CH, GLU, TT, S>,
               grid, dim3(mma_warps * 32), mma_smem_bytes<CH, TT, S>(ksplit), s,
               static_cast<const bf16*>(a.x), a.x_rows, static_cast<const bf16*>(a.w), a.active,
-              a.active_count, a.counts, a.offsets, a.y, a.rows, a.k, ksplit,
-              tiles_per_warp(a, ksplit), a.evict_first,
+              a.active_count, a.counts, a.offsets, a.y, a.rows, a.k, ksplit, a.evict_first,
               dense_count, a.y_f32 && !GLU, a.early);
 }
 
@@ -460,9 +395,6 @@ int choose_ksplit(const expert_mma_args& a, int bound, int wanted) {
 }
 
 void check_ksplit(const expert_mma_args& a, int ksplit) {
-  if (a.tiles < 1 || a.tiles > max_expert_mma_tiles)
-    throw std::invalid_argument("expert_mma: " + std::to_string(a.tiles) + " tiles a warp (1.."
-                                + std::to_string(max_expert_mma_tiles) + ")");
   if (!ksplit_fits(a, ksplit))
     throw std::invalid_argument("expert_mma: ksplit " + std::to_string(ksplit)
                                 + " does not divide the projection (rows " + std::to_string(a.rows)

@@ -91,84 +91,6 @@ __global__ void route_f32_kernel(const float* __restrict__ logits, const float* 
       token, experts, top_k, renormalize, ids, weights);
 }
 
-// The router and the routing in one launch. Block (x, y): the 8 experts 8x .. 8x + 7 (a warp
-// each) for the up to 8 tokens 8y .. 8y + 7. A warp holds its expert's weight row in registers
-// (lane l: columns l * 8 + 256 j, loaded before the wait for the kernel before: the weights do
-// not depend on it), then sums (hi + lo) * w over its columns in fp32 (hi + lo of two bf16 is
-// exact in fp32) for the group's tokens together, and the lanes' sums by warp_sum: every logit
-// in one fixed order.
-// The logits go to `logits`; the last block of a token group to finish (counted in counters[y],
-// which it sets back to 0 for the next launch) routes the group's tokens from them, one warp
-// a token (route_token).
-constexpr int router_tokens = 8;
-constexpr int router_warps = 8;
-
-template <int KC>
-__global__ void __launch_bounds__(router_warps * 32)
-  router_route_kernel(const bf16* __restrict__ hi, const bf16* __restrict__ lo,
-                      const bf16* __restrict__ w, int n, int experts, int h, int top_k,
-                      bool renormalize, float* __restrict__ logits, int* __restrict__ counters,
-                      i64* __restrict__ ids, float* __restrict__ weights) {
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int e = blockIdx.x * router_warps + warp;
-  const int t0 = blockIdx.y * router_tokens;
-  const int tn = min(router_tokens, n - t0);
-  uint4 wv[KC];
-  if (e < experts)
-#pragma unroll
-    for (int j = 0; j < KC; ++j)
-      wv[j] = __ldg(reinterpret_cast<const uint4*>(w + static_cast<i64>(e) * h + lane * 8 + j * 256));
-  pdl_enter();
-  if (e < experts) {
-    // Chunk by chunk, every token of the group at once: the loads of all tokens in flight
-    // together (a token past n reads row n - 1 and is not stored).
-    float acc[router_tokens] = {};
-#pragma unroll
-    for (int j = 0; j < KC; ++j) {
-      float wf[8];
-      unpack8(wv[j], wf);
-#pragma unroll
-      for (int i = 0; i < router_tokens; ++i) {
-        const i64 at = static_cast<i64>(min(t0 + i, n - 1)) * h + lane * 8 + j * 256;
-        float xf[8];
-        load8(hi + at, xf);
-        if (lo != nullptr) {
-          float lf[8];
-          load8(lo + at, lf);
-#pragma unroll
-          for (int q = 0; q < 8; ++q)
-            xf[q] += lf[q];
-        }
-#pragma unroll
-        for (int q = 0; q < 8; ++q)
-          acc[i] = fmaf(xf[q], wf[q], acc[i]);
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < router_tokens; ++i) {
-      const float sum = warp_sum(acc[i]);
-      if (lane == 0 && i < tn)
-        logits[static_cast<i64>(t0 + i) * experts + e] = sum;
-    }
-  }
-  __shared__ bool last;
-  __threadfence(); // this block's logits before its count
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    last = atomicAdd(&counters[blockIdx.y], 1) == static_cast<int>(gridDim.x) - 1;
-    if (last)
-      counters[blockIdx.y] = 0; // every block of the group has counted: ready for the next launch
-  }
-  __syncthreads();
-  if (!last)
-    return;
-  __threadfence(); // the other blocks' logits after their counts
-  if (warp < tn)
-    route_token([&](int t, int x) { return __ldcg(logits + static_cast<i64>(t) * experts + x); },
-                t0 + warp, experts, top_k, renormalize, ids, weights);
-}
-
 // ----------------------------------------------------------------- bucket by expert
 
 // One block of 1024 threads: counts by shared atomics, exclusive scans over the experts of
@@ -389,29 +311,6 @@ void route_f32(const float* logits, const float* lo, int n, int experts, int top
   const int blocks = (n * 32 + threads - 1) / threads;
   launch("route", route_f32_kernel, dim3(blocks), dim3(threads), as_stream(stream), logits, lo, n,
          experts, top_k, renormalize, ids, weights);
-}
-
-bool router_route_supported(int n, int experts, int top_k, int h) {
-  return n >= 1 && (n + router_tokens - 1) / router_tokens <= router_route_max_groups
-         && route_supported(experts, top_k) && h >= 256 && h % 256 == 0 && h <= gemv_max_k;
-}
-
-void router_route(const void* hi, const void* lo, const void* w, int n, int experts, int h,
-                  int top_k, bool renormalize, float* logits, int* counters, std::int64_t* ids,
-                  float* weights, void* stream) {
-  if (!router_route_supported(n, experts, top_k, h))
-    throw std::invalid_argument("router_route: " + std::to_string(n) + " tokens, "
-                                + std::to_string(experts) + " experts, top " + std::to_string(top_k)
-                                + ", hidden " + std::to_string(h) + " (hidden a multiple of 256 up to "
-                                + std::to_string(gemv_max_k) + ", at most "
-                                + std::to_string(router_route_max_groups * router_tokens) + " tokens)");
-  const dim3 grid((experts + router_warps - 1) / router_warps, (n + router_tokens - 1) / router_tokens);
-  with_chunks(h, "router_route", [&](auto kc) {
-    launch("router_route", router_route_kernel<decltype(kc)::value>, grid, dim3(router_warps * 32),
-           as_stream(stream), static_cast<const bf16*>(hi), static_cast<const bf16*>(lo),
-           static_cast<const bf16*>(w), n, experts, h, top_k, renormalize, logits, counters, ids,
-           weights);
-  });
 }
 
 bool bucket_supported(int copies, int experts) {
