@@ -1,5 +1,5 @@
 // Fused CUDA kernels of the bf16 engine (torch_kernels.cu: norms, q/k, dense GEMV;
-// torch_kernels_attention.cu: decode attention; torch_kernels_moe.cu: the MoE; built into the LibTorch module in REFIT_CUDA builds only). Plain pointers and a cudaStream_t (as void*): no LibTorch here.
+// torch_kernels_attention.cu, torch_kernels_attention_t.cu: decode attention; torch_kernels_moe.cu: the MoE; built into the LibTorch module in REFIT_CUDA builds only). Plain pointers and a cudaStream_t (as void*): no LibTorch here.
 // Every kernel replaces a chain of ATen ops of torch_fast_forward.cpp with the same arithmetic
 // (fp32 math, bf16 storage), so a decode step launches 14 kernels per layer instead of ~100.
 //
@@ -51,9 +51,9 @@ void set_programmatic_launch(bool on);
 // partial results (partial: fp32 [b, hq, splits, d + 2]) merged by a second kernel; splits 1
 // needs no partial buffer and no merge. decode_attention_splits(b, hkv) is the count for batch
 // b on the current device (~2 blocks per SM, at most max_attention_splits): it depends only on
-// b, so a CUDA graph captured at b splits as the eager step does. mode (kernels in
-// torch_kernels_attention.cu): 0 CUDA cores; 1 tensor cores, heads as the mma rows; 2 tensor
-// cores with O transposed (head dims as the mma rows, K and V staged in shared memory). Group
+// b, so a CUDA graph captured at b splits as the eager step does. mode: 0 CUDA cores; 1 tensor
+// cores, heads as the mma rows (torch_kernels_attention.cu); 2 tensor cores with O transposed
+// (head dims as the mma rows, K and V staged in shared memory; torch_kernels_attention_t.cu). Group
 // 16 always runs on CUDA cores; any other mode throws std::invalid_argument.
 // With `qk` (mode 2 only), the kernel does qk_norm_rope_write's work itself: each block computes
 // its group's q heads from qkv into shared memory (`q` unused), and the block that reads a
