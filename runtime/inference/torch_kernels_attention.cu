@@ -157,7 +157,8 @@ __global__ void __launch_bounds__(NW * 32)
   combine_warps<D, G, NW, G>(sm, sl, sacc, b, head0, hq, split, splits, out, partial);
 }
 
-// Tensor cores (the default for groups up to 8). Same blocks and tiles as the kernel above; per
+// Tensor cores, mode 1 (mode 2, the default, is torch_kernels_attention_t.cu). Same blocks and
+// tiles as the kernel above; per
 // tile of 32 positions a warp computes S = Q . K^T with mma.m16n8k16, the group's query heads as
 // the rows of A (8 of 16 used, the rest zero) and the positions as the columns of B in four
 // tiles of 8: thread (g, t) loads 16-byte chunks of the K row of position 8 n + g straight from
@@ -309,19 +310,6 @@ __global__ void attention_merge_kernel(const float* __restrict__ partial, bf16* 
   out[head * D + c] = to_bf(value / total);
 }
 
-struct attention_call {
-  const void* q;
-  kv_target kv;
-  const i64* table;
-  int width;
-  const i64* lengths;
-  void* out;
-  float* partial;
-  int splits, b, hq, hkv;
-  int mode; // decode_attention's
-  const attention_qk* qk;
-};
-
 template <int D, int G>
 void launch_attention(const attention_call& a, cudaStream_t s) {
   constexpr int NW = 4;
@@ -335,8 +323,7 @@ void launch_attention(const attention_call& a, cudaStream_t s) {
              static_cast<bf16*>(a.out), a.partial, a.splits, a.hq, a.hkv, scale);
       launched = true;
     } else if (a.mode == 2) {
-      launch_transposed(a.q, a.kv, a.table, a.width, a.lengths, a.out, a.partial, a.splits, a.b,
-                        a.hq, a.hkv, D, a.qk, s);
+      launch_transposed<D, G>(a, s);
       launched = true;
     }
   }

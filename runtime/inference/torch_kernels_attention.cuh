@@ -144,11 +144,23 @@ __device__ __forceinline__ void finish_warps(float m, float l, unsigned char* sm
   combine_warps<D, G, NW, 8>(sm, sl, sacc, b, head0, hq, split, splits, out, partial);
 }
 
-// Mode 2's kernel (torch_kernels_attention_t.cu) over grid (b, hkv, splits) for head_dim d and
-// group hq / hkv up to 8 (decode_attention checked the arguments), with its own q/k when qk is
-// set; the merge is the caller's.
-void launch_transposed(const void* q, kv_target kv, const i64* table, int width,
-                       const i64* lengths, void* out, float* partial, int splits, int b, int hq,
-                       int hkv, int d, const attention_qk* qk, cudaStream_t s);
+// decode_attention's arguments, checked.
+struct attention_call {
+  const void* q;
+  kv_target kv;
+  const i64* table;
+  int width;
+  const i64* lengths;
+  void* out;
+  float* partial;
+  int splits, b, hq, hkv;
+  int mode; // decode_attention's
+  const attention_qk* qk;
+};
+
+// Mode 2's kernel (torch_kernels_attention_t.cu, instantiated for D 64 and 128, G 1, 2, 4 and 8)
+// over grid (b, hkv, splits), with its own q/k when a.qk is set; the merge is the caller's.
+template <int D, int G>
+void launch_transposed(const attention_call& a, cudaStream_t s);
 
 } // namespace refit::inference::kernels::attention_detail

@@ -95,10 +95,11 @@ __device__ __forceinline__ void stage_q(bf16* qs, const bf16* __restrict__ q, co
         reinterpret_cast<const uint4*>(in)[c];
 }
 
-// Tensor cores, transposed (mode 2). Same blocks, tiles, softmax and combine as the kernel
-// above, but lane l copies both the K and the V row of position base + l to shared memory
-// (cp.async; 16-byte chunk c of row r at c ^ (r % 8): the 8 rows of an ldmatrix matrix fall in
-// 8 different bank groups; zeros past the end), and O is accumulated transposed, so that no
+// Tensor cores, transposed (mode 2). Same blocks, tiles, softmax and combine as mode 1
+// (torch_kernels_attention.cu), but both the K and the V rows of a tile are copied to shared
+// memory (cp.async, whole rows an instruction; 16-byte chunk c of row r at c ^ (r % 8): the 8
+// rows of an ldmatrix matrix fall in 8 different bank groups; zeros past the end), and O is
+// accumulated transposed, so that no
 // accumulator row is spent on the 8 heads an m16n8k16 tile lacks:
 // S = Q . K^T: A = Q (heads as rows, rows >= G zero; a0 / a2 of thread (g, t): Q[head g][dims
 // 2t, 2t+1 / 2t+8, 2t+9] of the k-step), B = K^T in four column tiles of 8 positions (b0 / b1:
@@ -231,43 +232,25 @@ __global__ void __launch_bounds__(NW * 32, 4)
   }, b, head0, hq, split, splits, out, partial);
 }
 
-template <int D, int G>
-void launch_t(const void* q, kv_target kv, const i64* table, int width, const i64* lengths,
-              void* out, float* partial, int splits, int b, int hq, int hkv,
-              const attention_qk& qk, cudaStream_t s) {
-  constexpr int NW = 4;
-  launch_smem("decode_attention", decode_attention_mma_t_kernel<D, G, NW>, dim3(b, hkv, splits),
-              dim3(NW * 32), mma_t_smem<D, NW>(), s, static_cast<const bf16*>(q), kv, table, width,
-              lengths, static_cast<bf16*>(out), partial, splits, hq, hkv,
-              1.0f / std::sqrt(static_cast<float>(D)), qk);
-}
-
-template <int D>
-void launch_t_group(int group, const void* q, kv_target kv, const i64* table, int width,
-                    const i64* lengths, void* out, float* partial, int splits, int b, int hq,
-                    int hkv, const attention_qk& qk, cudaStream_t s) {
-  switch (group) {
-    case 1: return launch_t<D, 1>(q, kv, table, width, lengths, out, partial, splits, b, hq, hkv, qk, s);
-    case 2: return launch_t<D, 2>(q, kv, table, width, lengths, out, partial, splits, b, hq, hkv, qk, s);
-    case 4: return launch_t<D, 4>(q, kv, table, width, lengths, out, partial, splits, b, hq, hkv, qk, s);
-    case 8: return launch_t<D, 8>(q, kv, table, width, lengths, out, partial, splits, b, hq, hkv, qk, s);
-  }
-  throw std::invalid_argument("decode_attention (mode 2): unsupported group " + std::to_string(group));
-}
-
 } // namespace
 
-void launch_transposed(const void* q, kv_target kv, const i64* table, int width,
-                       const i64* lengths, void* out, float* partial, int splits, int b, int hq,
-                       int hkv, int d, const attention_qk* qk, cudaStream_t s) {
-  const attention_qk none;
-  const attention_qk& with = qk != nullptr ? *qk : none;
-  if (d == 64)
-    launch_t_group<64>(hq / hkv, q, kv, table, width, lengths, out, partial, splits, b, hq, hkv, with, s);
-  else if (d == 128)
-    launch_t_group<128>(hq / hkv, q, kv, table, width, lengths, out, partial, splits, b, hq, hkv, with, s);
-  else
-    throw std::invalid_argument("decode_attention (mode 2): unsupported head_dim " + std::to_string(d));
+template <int D, int G>
+void launch_transposed(const attention_call& a, cudaStream_t s) {
+  constexpr int NW = 4;
+  launch_smem("decode_attention", decode_attention_mma_t_kernel<D, G, NW>,
+              dim3(a.b, a.hkv, a.splits), dim3(NW * 32), mma_t_smem<D, NW>(), s,
+              static_cast<const bf16*>(a.q), a.kv, a.table, a.width, a.lengths,
+              static_cast<bf16*>(a.out), a.partial, a.splits, a.hq, a.hkv,
+              1.0f / std::sqrt(static_cast<float>(D)), a.qk != nullptr ? *a.qk : attention_qk{});
 }
+
+template void launch_transposed<64, 1>(const attention_call&, cudaStream_t);
+template void launch_transposed<64, 2>(const attention_call&, cudaStream_t);
+template void launch_transposed<64, 4>(const attention_call&, cudaStream_t);
+template void launch_transposed<64, 8>(const attention_call&, cudaStream_t);
+template void launch_transposed<128, 1>(const attention_call&, cudaStream_t);
+template void launch_transposed<128, 2>(const attention_call&, cudaStream_t);
+template void launch_transposed<128, 4>(const attention_call&, cudaStream_t);
+template void launch_transposed<128, 8>(const attention_call&, cudaStream_t);
 
 } // namespace refit::inference::kernels::attention_detail
