@@ -128,33 +128,28 @@ at::Tensor fast_rank_forward::fused_decode_layer_attention(const at::Tensor& qkv
   kv.part_elems = std::int64_t{o_.kv.block_size} * kv_heads_ * head_dim_;
   kv.layer_offset = std::int64_t{layer} * 2 * kv.part_elems;
   kv.block_size = static_cast<int>(o_.kv.block_size);
-  // Mode 2 with REFIT_ATTENTION_FUSED_QK: the attention kernel computes q and writes K / V itself.
+  // q/k norm + RoPE + the K/V writes: by the attention kernel itself (mode 2 with
+  // REFIT_ATTENTION_FUSED_QK), else by qk_norm_rope_write into q first.
   kernels::attention_qk qk;
+  qk.qkv = qkv.data_ptr();
+  qk.q_norm = w.q_norm.data_ptr();
+  qk.k_norm = w.k_norm.data_ptr();
+  qk.cos = cos_.data_ptr<float>();
+  qk.sin = sin_.data_ptr<float>();
+  qk.positions = in.positions.data_ptr<std::int64_t>();
+  qk.src_row = in.src_row.data_ptr<std::int64_t>();
+  qk.write_block = in.write_block.data_ptr<std::int64_t>();
+  qk.write_slot = in.write_slot.data_ptr<std::int64_t>();
+  qk.eps = static_cast<float>(cfg_.rms_norm_eps);
   const bool fuse_qk = attention_mma_ == 2 && attention_fused_qk_ != 0 && q_heads_ / kv_heads_ <= 8;
-  if (fuse_qk) {
-    qk.qkv = qkv.data_ptr();
-    qk.q_norm = w.q_norm.data_ptr();
-    qk.k_norm = w.k_norm.data_ptr();
-    qk.cos = cos_.data_ptr<float>();
-    qk.sin = sin_.data_ptr<float>();
-    qk.positions = in.positions.data_ptr<std::int64_t>();
-    qk.src_row = in.src_row.data_ptr<std::int64_t>();
-    qk.write_block = in.write_block.data_ptr<std::int64_t>();
-    qk.write_slot = in.write_slot.data_ptr<std::int64_t>();
-    qk.eps = static_cast<float>(cfg_.rms_norm_eps);
-  }
   at::Tensor q;
   if (!fuse_qk) {
     q = at::empty({n, q_heads_, head_dim_}, bf_);
-    kernels::qk_norm_rope_write(qkv.data_ptr(), w.q_norm.data_ptr(), w.k_norm.data_ptr(),
-                                cos_.data_ptr<float>(), sin_.data_ptr<float>(),
-                                in.positions.data_ptr<std::int64_t>(),
-                                in.src_row.data_ptr<std::int64_t>(),
-                                in.write_block.data_ptr<std::int64_t>(),
-                                in.write_slot.data_ptr<std::int64_t>(), q.data_ptr(), kv,
+    kernels::qk_norm_rope_write(qk.qkv, qk.q_norm, qk.k_norm, qk.cos, qk.sin, qk.positions,
+                                qk.src_row, qk.write_block, qk.write_slot, q.data_ptr(), kv,
                                 static_cast<int>(n), static_cast<int>(q_heads_),
-                                static_cast<int>(kv_heads_), static_cast<int>(head_dim_),
-                                static_cast<float>(cfg_.rms_norm_eps), stream());
+                                static_cast<int>(kv_heads_), static_cast<int>(head_dim_), qk.eps,
+                                stream());
   }
   at::Tensor out = at::empty({n, q_heads_ * head_dim_}, bf_);
   const int splits =
