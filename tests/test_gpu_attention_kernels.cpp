@@ -112,7 +112,8 @@ TEST(GpuAttentionKernels, DecodeAttentionMatchesTheHostReferenceOnEveryKernel) {
   }
 }
 
-// Unsupported shapes, split counts and modes are refused, naming them.
+// Unsupported shapes, split counts and modes, and the kernel's own q/k outside mode 2, are
+// refused, naming them.
 TEST(GpuAttentionKernels, UnsupportedShapesAndSplitsAreRefused) {
   REQUIRE_GPUS(1);
   EXPECT_FALSE(kernels::decode_attention_supported(96, 8));
@@ -132,6 +133,14 @@ TEST(GpuAttentionKernels, UnsupportedShapesAndSplitsAreRefused) {
     ADD_FAILURE() << "mode 3 accepted";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("mode 3"), std::string::npos) << e.what();
+  }
+  const kernels::attention_qk qk; // the kernel's own q/k: mode 2 only
+  try {
+    kernels::decode_attention(nullptr, kv, nullptr, 1, nullptr, nullptr, nullptr, 1, 1, 8, 1,
+                              128, nullptr, 1, &qk);
+    ADD_FAILURE() << "the fused q/k accepted in mode 1";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("fused q/k of mode 1"), std::string::npos) << e.what();
   }
   EXPECT_GE(kernels::decode_attention_splits(1, 4), 1);
   EXPECT_LE(kernels::decode_attention_splits(1, 4), kernels::max_attention_splits);
