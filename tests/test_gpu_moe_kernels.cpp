@@ -1,7 +1,8 @@
 // The bf16 engine's MoE kernels on a GPU (label gpu), alone: the counting sort by expert and
 // the tensor-core expert projections (expert_mma) against a host fp32 reference over the same
 // bf16 inputs, with empty experts, single copies and experts of more than one 32-copy pass,
-// at every k-split the shape allows; and the same kernel's dense mode.
+// at every k-split the shape allows; the resident-warp variant (persistent) bitwise against it;
+// and the same kernel's dense mode.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -200,6 +201,67 @@ TEST(GpuMoeKernels, RouteF32AddsTheLowPartAndBreaksTiesToTheLowerId) {
   }
 }
 
+// Routing and the counting sort in one block (route_bucket_f32) against route_f32 then bucket:
+// the same ids, weights and every bucket output bit for bit, with and without the low part,
+// at 1, 64 (a decode step of Qwen3-30B-A3B's shape) and 256 tokens (the most it takes), the
+// logits in runs of equal values so ties are broken the same way; then 257 tokens are refused.
+TEST(GpuMoeKernels, RouteBucketInOneBlockEqualsRouteThenBucket) {
+  REQUIRE_GPUS(1);
+  const int experts = 128, top_k = 8;
+  for (const int tokens : {1, 64, 256}) {
+    std::mt19937 rng(static_cast<std::uint32_t>(tokens));
+    std::vector<float> hi, lo;
+    for (int t = 0; t < tokens; ++t)
+      for (int e = 0; e < experts; ++e) {
+        hi.push_back(0.25f * float(rng() % 9)); // runs of equal values
+        lo.push_back(1e-4f * float(rng() % 5));
+      }
+    device_vec<float> d_hi(hi), d_lo(lo);
+    for (const bool with_lo : {false, true}) {
+      SCOPED_TRACE(std::to_string(tokens) + " tokens, lo " + std::to_string(with_lo));
+      const int copies = tokens * top_k;
+      const std::size_t n = static_cast<std::size_t>(copies);
+      device_vec<i64> ids_a(n), ids_b(n);
+      device_vec<float> w_a(n), w_b(n);
+      refit::bench::device_bucket a(0, copies, experts, {3, 4}), b(0, copies, experts, {3, 4});
+      kernels::route_f32(d_hi.p, with_lo ? d_lo.p : nullptr, tokens, experts, top_k, true,
+                         ids_a.p, w_a.p, nullptr);
+      kernels::bucket(ids_a.p, copies, top_k, experts, a.out(), nullptr);
+      ASSERT_TRUE(kernels::route_bucket_supported(tokens, experts, top_k));
+      kernels::route_bucket_f32(d_hi.p, with_lo ? d_lo.p : nullptr, tokens, experts, top_k, true,
+                                ids_b.p, w_b.p, b.out(), nullptr);
+      CUDA_OK(cudaDeviceSynchronize());
+      const auto ids = ids_b.host();
+      EXPECT_EQ(ids, ids_a.host());
+      EXPECT_EQ(w_b.host(), w_a.host());
+      const auto want = host_bucket(ids, top_k, experts); // and both sorted what was chosen
+      EXPECT_EQ(b.counts.host(), want.counts);
+      EXPECT_EQ(b.order.host(), want.order);
+      EXPECT_EQ(b.counts.host(), a.counts.host());
+      EXPECT_EQ(b.offsets.host(), a.offsets.host());
+      EXPECT_EQ(b.order.host(), a.order.host());
+      EXPECT_EQ(b.src_token.host(), a.src_token.host());
+      EXPECT_EQ(b.inverse.host(), a.inverse.host());
+      auto active_a = a.active.host(), active_b = b.active.host(); // ids, then their number
+      const int used = active_b.back();
+      ASSERT_EQ(used, active_a.back());
+      active_a.resize(static_cast<std::size_t>(used));
+      active_b.resize(static_cast<std::size_t>(used));
+      EXPECT_EQ(active_b, active_a);
+      EXPECT_EQ(b.loads.host(), a.loads.host());
+      EXPECT_GT(b.loads.host()[0], 3);
+    }
+  }
+  EXPECT_FALSE(kernels::route_bucket_supported(257, experts, top_k));
+  try {
+    kernels::route_bucket_f32(nullptr, nullptr, 257, experts, top_k, true, nullptr, nullptr,
+                              kernels::bucket_out{}, nullptr);
+    ADD_FAILURE() << "257 tokens accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("257 tokens"), std::string::npos) << e.what();
+  }
+}
+
 // The weight stagings (expert_mma_args::stages) and early starts (expert_mma_args::early: the
 // blocks by expert id, the empty experts' leaving) the kernel tests run.
 const std::pair<int, bool> stagings[] = {{0, false}, {4, false}, {8, false}, {4, true}, {0, true}};
@@ -323,6 +385,116 @@ TEST(GpuMoeKernels, ExpertMmaMatchesTheHostReferenceAtEveryKSplit) {
     EXPECT_GE(splits_run, 6) << "rows " << pc.rows << " k " << pc.k;
     const int automatic = kernels::expert_mma_ksplit(a, copies, experts, 0);
     EXPECT_TRUE(automatic == 1 || automatic == 2 || automatic == 4 || automatic == 8);
+  }
+}
+
+// The resident-warp kernel (expert_mma_args::persistent) against the block-per-expert kernel
+// at k-split 1 with the same staging: bitwise the same y, every element written, for the
+// routing above (an expert of three 32-copy passes, single copies, a quarter of the experts
+// empty, so warps whose first item is empty drop their early stages), with 1 and 3 blocks (each
+// warp walks many items across experts and passes) and as many as fit; within the reference's
+// tolerance too. Then the refusals: a k-split other than 1, a negative block cap.
+TEST(GpuMoeKernels, PersistentExpertMmaEqualsTheBlockPerExpertKernelBitwise) {
+  REQUIRE_GPUS(1);
+  const int tokens = 70, top_k = 4, experts = 32;
+  const int copies = tokens * top_k;
+  const auto ids = skewed_routing(tokens, top_k, experts, 11);
+  const auto want = host_bucket(ids, top_k, experts);
+  device_vec<i64> d_ids(ids);
+  refit::bench::device_bucket d(0, copies, experts, {0});
+  kernels::bucket(d_ids.p, copies, top_k, experts, d.out(), nullptr);
+  int compared = 0;
+  for (const projection_case pc : {projection_case{256, 512, true}, projection_case{512, 256, false},
+                                   projection_case{48, 128, false}}) {
+    const int in_rows = pc.glu ? tokens : copies;
+    const auto x = random_bf16(static_cast<std::size_t>(in_rows) * pc.k, 15, 1.0f);
+    const auto w = random_bf16(static_cast<std::size_t>(experts) * pc.rows * pc.k, 19,
+                               1.0f / std::sqrt(float(pc.k)));
+    const auto reference =
+      host_projection(x, pc.glu ? &want.src_token : nullptr, w, want, ids, pc.rows, pc.k, pc.glu);
+    device_vec<std::uint16_t> d_x(x), d_w(w);
+    const std::size_t y_elems = static_cast<std::size_t>(copies) * (pc.glu ? pc.rows / 2 : pc.rows);
+    kernels::expert_mma_args a;
+    a.x = d_x.p;
+    a.x_rows = pc.glu ? d.src_token.p : nullptr;
+    a.w = d_w.p;
+    a.active = d.active.p;
+    a.active_count = d.active.p + experts;
+    a.counts = d.counts.p;
+    a.offsets = d.offsets.p;
+    a.rows = pc.rows;
+    a.k = pc.k;
+    a.glu = pc.glu;
+    const auto run = [&](const kernels::expert_mma_args& args) -> std::vector<std::uint16_t> {
+      device_vec<std::uint16_t> d_y(y_elems);
+      // NaN: an element left unwritten shows
+      EXPECT_EQ(cudaMemset(d_y.p, 0xff, d_y.n * 2), cudaSuccess);
+      kernels::expert_mma_args with_y = args;
+      with_y.y = d_y.p;
+      kernels::expert_mma(with_y, copies, experts, 1, nullptr);
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      return d_y.host();
+    };
+    for (const int stages : {4, 8})
+      for (const bool early : {false, true})
+        for (const int chunks : {4, 2, 1}) {
+          a.stages = stages;
+          a.early = early;
+          a.max_chunks = chunks;
+          if (kernels::expert_mma_ksplit(a, copies, experts, 1) != 1 || (stages == 8 && chunks == 4))
+            continue;
+          a.persistent = false;
+          const auto blockwise = run(a);
+          a.persistent = true;
+          for (const int cap : {1, 3, 0}) {
+            a.max_blocks = cap;
+            const std::string where = "rows " + std::to_string(pc.rows) + " k "
+                                      + std::to_string(pc.k) + " stages " + std::to_string(stages)
+                                      + " early " + std::to_string(early) + " chunks "
+                                      + std::to_string(chunks) + " max_blocks " + std::to_string(cap);
+            const auto y = run(a);
+            ++compared;
+            double worst = 0;
+            for (std::size_t i = 0; i < y.size(); ++i) {
+              ASSERT_TRUE(std::isfinite(from_bf16(y[i]))) << "element " << i << " unwritten, " << where;
+              worst = std::max(worst, std::abs(from_bf16(y[i]) - double(reference[i]))
+                                        / (std::abs(double(reference[i])) + 0.05));
+            }
+            EXPECT_LT(worst, 0.02) << where;
+            EXPECT_TRUE(y == blockwise) << "not bitwise the block-per-expert result, " << where;
+          }
+          a.max_blocks = 0;
+          a.persistent = false;
+        }
+  }
+  // Every case ran: 3 shapes x (4 stages x 3 chunk counts + 8 stages x 2, each with and
+  // without the early start) x 3 block caps.
+  EXPECT_EQ(compared, 3 * 10 * 3);
+  kernels::expert_mma_args a;
+  a.rows = 64;
+  a.k = 256;
+  a.stages = 4;
+  a.persistent = true;
+  try {
+    kernels::expert_mma(a, 8, 8, 2, nullptr);
+    ADD_FAILURE() << "persistent ksplit 2 accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("persistent with ksplit 2"), std::string::npos) << e.what();
+  }
+  a.max_blocks = -1;
+  try {
+    kernels::expert_mma(a, 8, 8, 1, nullptr);
+    ADD_FAILURE() << "max_blocks -1 accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("max_blocks -1"), std::string::npos) << e.what();
+  }
+  a.max_blocks = 0;
+  a.stages = 0; // register stages: no ring to stream through
+  try {
+    kernels::expert_mma(a, 8, 8, 1, nullptr);
+    ADD_FAILURE() << "persistent with register stages accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("stages 0"), std::string::npos) << e.what();
   }
 }
 

@@ -7,8 +7,13 @@
 // expert GEMV path (gemv + SiLU + gemv) where it applies. The bytes are
 // the non-empty experts' weights; `ratio` = bytes / time / copy bound (read + write).
 //
+// With --engine-paths only the engine's default staging (auto k-split, 2 chunks, 4 cp.async
+// stages, early) and its resident-warp variants ("... early persistent":
+// expert_mma_args::persistent, with 4 and with 8 stages) run, each twice in turn (the spread
+// shows).
+//
 //   refit-expert-bench [--batch 1,16,64,256] [--experts 128] [--top-k 8] [--hidden 2048]
-//                      [--inter 768] [--layers 6] [--repeat 10] [--json]
+//                      [--inter 768] [--layers 6] [--repeat 10] [--engine-paths] [--json]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -43,6 +48,7 @@ struct options {
   std::vector<int> batches{1, 16, 64, 256};
   int experts = 128, top_k = 8, hidden = 2048, inter = 768, layers = 6, repeat = 10;
   bool json = false;
+  bool engine_paths = false;
 };
 
 int whole(const std::string& flag, const char* v) {
@@ -59,6 +65,10 @@ options parse(int argc, char** argv) {
     const std::string a = argv[i];
     if (a == "--json") {
       o.json = true;
+      continue;
+    }
+    if (a == "--engine-paths") {
+      o.engine_paths = true;
       continue;
     }
     if (i + 1 >= argc)
@@ -210,18 +220,28 @@ int main(int argc, char** argv) try {
       bool evict_first;   // the weight stream's L2 policy
       int stages;         // expert_mma_args::stages
       bool early;         // expert_mma_args::early
+      bool persistent;    // expert_mma_args::persistent (at k-split 1)
     };
     std::vector<variant> variants;
-    for (const int stages : {0, 4, 8})
-      for (const int chunks : {4, 2, 1})
-        for (const int wanted : {0, 1, 2, 4})
-          if (stages < 8 || chunks < 4)
-            variants.push_back({chunks, wanted, true, stages, false});
-    for (const int chunks : {2, 1}) {
-      variants.push_back({chunks, 0, false, 4, false});
-      variants.push_back({chunks, 0, true, 4, true});
+    if (o.engine_paths) {
+      for (int round = 0; round < 2; ++round) {
+        variants.push_back({2, 0, true, 4, true, false});
+        variants.push_back({2, 0, true, 4, true, true});
+        variants.push_back({2, 0, true, 8, true, true});
+      }
+    } else {
+      for (const int stages : {0, 4, 8})
+        for (const int chunks : {4, 2, 1})
+          for (const int wanted : {0, 1, 2, 4})
+            if (stages < 8 || chunks < 4)
+              variants.push_back({chunks, wanted, true, stages, false, false});
+      for (const int chunks : {2, 1}) {
+        variants.push_back({chunks, 0, false, 4, false, false});
+        variants.push_back({chunks, 0, true, 4, true, false});
+        variants.push_back({chunks, 0, true, 4, true, true});
+      }
     }
-    for (const auto& [chunks, wanted, evict_first, stages, early] : variants) {
+    for (const auto& [chunks, wanted, evict_first, stages, early, persistent] : variants) {
       kernels::expert_mma_args up, down;
       up.max_chunks = down.max_chunks = chunks;
       up.evict_first = down.evict_first = evict_first;
@@ -249,10 +269,14 @@ int main(int argc, char** argv) try {
       const int ks_down = kernels::expert_mma_ksplit(down, copies, e, wanted);
       if (ks_up == 0 || ks_down == 0)
         continue;
+      up.persistent = persistent && ks_up == 1;
+      down.persistent = persistent && ks_down == 1;
+      if (persistent && !up.persistent && !down.persistent)
+        continue; // no projection at k-split 1: the block-per-expert row already ran
       measure(std::string(wanted == 0 ? "mma auto " : "mma ") + std::to_string(ks_up) + "/"
                 + std::to_string(ks_down) + " c" + std::to_string(chunks) + " s"
                 + std::to_string(stages) + (evict_first ? "" : " l2-normal")
-                + (early ? " early" : ""),
+                + (early ? " early" : "") + (persistent ? " persistent" : ""),
               [&](int l) {
                 up.w = w13[static_cast<std::size_t>(l)].p;
                 down.w = w2[static_cast<std::size_t>(l)].p;

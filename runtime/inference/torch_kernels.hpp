@@ -108,6 +108,13 @@ struct bucket_out {
 };
 void bucket(const std::int64_t* ids, int copies, int top_k, int experts, const bucket_out& out,
             void* stream);
+// route_f32 then bucket in one block (one launch instead of two, for a decode step's few
+// tokens): the same ids, weights and bucket outputs, bit for bit.
+constexpr int route_bucket_max_tokens = 256;
+bool route_bucket_supported(int n, int experts, int top_k);
+void route_bucket_f32(const float* logits, const float* lo, int n, int experts, int top_k,
+                      bool renormalize, std::int64_t* ids, float* weights, const bucket_out& out,
+                      void* stream);
 
 
 // Few routed copies (decode at small batch): y bf16 [m, n] = x-row(p) times w bf16 [e, n, k]^T
@@ -166,6 +173,13 @@ struct expert_mma_args {
   // expert id over all `experts` (an empty expert's leave after the wait; worth it when nearly
   // every expert is routed) instead of over the non-empty list. The dense mode takes it too.
   bool early = false;
+  // k-split 1 only (expert_mma refuses others; the dense mode ignores it): about as many
+  // blocks as fit on the device at once, each warp streaming a sequence of (expert, tile)
+  // items through one ring of `stages` (4 or 8) cp.async stages, so the next tile's weights
+  // are in flight while this tile's last ones are multiplied; every expert by id (active
+  // unused). The sums are the block-per-expert kernel's at k-split 1, bit for bit.
+  bool persistent = false;
+  int max_blocks = 0; // persistent: at most this many blocks (0: as many as fit at once)
 };
 bool expert_mma_supported(const expert_mma_args& args);
 int expert_mma_ksplit(const expert_mma_args& args, int copies, int experts, int wanted);

@@ -6,7 +6,7 @@
 // come through cp.async stages in shared memory (or two register stages), and may start
 // coming before the kernel ahead of this one has finished (expert_mma_args::early).
 #include "runtime/inference/torch_kernels.hpp"
-#include "runtime/inference/torch_kernels_common.cuh"
+#include "runtime/inference/torch_kernels_expert_mma.cuh"
 
 namespace refit::inference::kernels {
 
@@ -14,101 +14,12 @@ using namespace detail;
 
 namespace {
 
-constexpr int mma_warps = 8;         // per block
-constexpr int mma_token_tiles = 4;   // tiles of 8 tokens per pass over an expert's weights
 constexpr int dense_token_tiles = 8; // a dense projection's rows in one pass, up to 64
 constexpr int mma_max_ksplit = 8;
 // ksplit partial sums: (ksplit - 1) * (mma_warps / ksplit) warps * TT tiles * 32 lanes * 4,
 // largest at ksplit 8.
 template <int TT>
 constexpr int mma_reduce_floats = (mma_max_ksplit - 1) * TT * 32 * 4;
-
-// An L2 policy for the weight stream: evict-first (the weights are read once; the token rows,
-// read by every block of an expert, stay) or normal.
-__device__ __forceinline__ unsigned long long stream_policy(bool evict_first) {
-  unsigned long long p;
-  if (evict_first)
-    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
-  else
-    asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(p));
-  return p;
-}
-
-// 16 bytes of weights read once: not kept in L1; L2 fetches the 256 bytes around them (the
-// row's next k-steps) under `policy`.
-__device__ __forceinline__ uint4 load_stream(const bf16* p, unsigned long long policy) {
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.L2::cache_hint.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p), "l"(policy));
-  return v;
-}
-
-__device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
-
-// One k-iteration's weight chunks of the thread's two rows.
-template <int CH>
-__device__ __forceinline__ void load_stage(const bf16* wa, const bf16* wb, int k0,
-                                           unsigned long long policy, uint4 (&a)[CH],
-                                           uint4 (&b)[CH]) {
-#pragma unroll
-  for (int c = 0; c < CH; ++c) {
-    a[c] = load_stream(wa + k0 + c * 32, policy);
-    b[c] = load_stream(wb + k0 + c * 32, policy);
-  }
-}
-
-// The MMAs of one k-iteration for the live token tiles.
-template <int CH, int TT>
-__device__ __forceinline__ void mma_stage(const bf16* const (&xr)[TT], int off, int tiles,
-                                          const uint4 (&a)[CH], const uint4 (&b)[CH],
-                                          float (&acc)[TT][4]) {
-#pragma unroll
-  for (int tt = 0; tt < TT; ++tt) {
-    if (tt < tiles) {
-#pragma unroll
-      for (int c = 0; c < CH; ++c) {
-        const uint4 xv = __ldg(reinterpret_cast<const uint4*>(xr[tt] + off + c * 32));
-        mma_bf16(acc[tt], a[c].x, b[c].x, a[c].y, b[c].y, xv.x, xv.y);
-        mma_bf16(acc[tt], a[c].z, b[c].z, a[c].w, b[c].w, xv.z, xv.w);
-      }
-    }
-  }
-}
-
-// One stage of a warp's ring: CH chunks of its two rows for each of the 32 lanes, in uint4s.
-template <int CH>
-constexpr int stage_uint4s = CH * 2 * 32;
-
-// The same k-iteration's chunks copied to shared memory (cp.async, no registers held while in
-// flight): lane l's chunk (c, row r) of a stage sits at uint4 ((c * 2 + r) * 32 + l) of the
-// stage's slot, so each lane reads back only what it wrote (no barrier; 512 contiguous bytes a
-// warp per chunk: no bank conflicts).
-__device__ __forceinline__ void cp_async_stream(uint4* dst, const bf16* src,
-                                                unsigned long long policy) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2;"
-               ::"r"(d), "l"(src), "l"(policy) : "memory");
-}
-
-template <int CH>
-__device__ __forceinline__ void copy_stage(uint4* slot, const bf16* wa, const bf16* wb, int k0,
-                                           unsigned long long policy) {
-#pragma unroll
-  for (int c = 0; c < CH; ++c) {
-    cp_async_stream(slot + (c * 2) * 32, wa + k0 + c * 32, policy);
-    cp_async_stream(slot + (c * 2 + 1) * 32, wb + k0 + c * 32, policy);
-  }
-}
-
-template <int CH>
-__device__ __forceinline__ void read_stage(const uint4* slot, uint4 (&a)[CH], uint4 (&b)[CH]) {
-#pragma unroll
-  for (int c = 0; c < CH; ++c) {
-    a[c] = slot[(c * 2) * 32];
-    b[c] = slot[(c * 2 + 1) * 32];
-  }
-}
 
 // The first S stages of a pass (one commit group each, empty past the end: the counts stay).
 template <int CH, int S>
@@ -163,11 +74,8 @@ __device__ __forceinline__ void weight_pass(const bf16* const (&xr)[TT], int til
   }
 }
 
-// Dynamic shared memory of a block: S stages of the 8 warps' rings, then the k-split partial
-// sums (ksplit > 1).
-template <int CH, int S>
-constexpr int ring_bytes = S * mma_warps * stage_uint4s<CH> * 16;
-
+// Dynamic shared memory of a block: S stages of the 8 warps' rings (ring_bytes), then the
+// k-split partial sums (ksplit > 1).
 template <int CH, int TT, int S>
 int mma_smem_bytes(int ksplit) {
   return ring_bytes<CH, S> + (ksplit > 1 ? mma_reduce_floats<TT> * 4 : 0);
@@ -206,8 +114,6 @@ __global__ void __launch_bounds__(mma_warps * 32, CH >= 4 && S == 0 ? 1 : 2)
     pdl_enter();
   extern __shared__ uint4 mma_smem[];
   float* partial = reinterpret_cast<float*>(mma_smem + ring_bytes<CH, S> / 16);
-  bf16* y = static_cast<bf16*>(y_out);
-  float* yf = static_cast<float*>(y_out); // y_f32 (no GLU)
   int e = 0, count = dense_count, first = 0;
   if (by_id) {
     e = blockIdx.y;
@@ -285,26 +191,8 @@ __global__ void __launch_bounds__(mma_warps * 32, CH >= 4 && S == 0 ? 1 : 2)
                 acc[tt][i] += other[tt * 128 + i];
         }
     }
-    if (wk == 0 && live) {
-#pragma unroll
-      for (int tt = 0; tt < TT; ++tt)
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const int token = base + tt * 8 + 2 * t + j;
-          if (tt >= tiles || token >= count)
-            continue;
-          const i64 p = first + token;
-          if (GLU) {
-            y[p * cols + tile * 8 + g] = to_bf(silu(acc[tt][j]) * acc[tt][2 + j]);
-          } else if (y_f32) {
-            yf[p * cols + ra] = acc[tt][j];
-            yf[p * cols + rb] = acc[tt][2 + j];
-          } else {
-            y[p * cols + ra] = to_bf(acc[tt][j]);
-            y[p * cols + rb] = to_bf(acc[tt][2 + j]);
-          }
-        }
-    }
+    if (wk == 0 && live)
+      write_tile<GLU, TT>(acc, tiles, base, count, first, tile, ra, rb, cols, y_out, y_f32);
   }
 }
 
@@ -414,6 +302,12 @@ void expert_mma(const expert_mma_args& a, int copies, int experts, int ksplit, v
   const int bound = copies < experts ? copies : experts;
   if (bound < 1)
     return;
+  if (a.persistent) {
+    if (ksplit != 1)
+      throw std::invalid_argument("expert_mma: persistent with ksplit " + std::to_string(ksplit)
+                                  + " (the resident warps take whole tiles: ksplit 1)");
+    return expert_stream(a, lane_chunks(a, 1), experts, as_stream(stream));
+  }
   const int grid_y = a.early ? experts : bound; // early: a block row per expert id
   if (a.glu)
     launch_for_chunks<true, mma_token_tiles>(a, ksplit, grid_y, 0, as_stream(stream));

@@ -193,6 +193,24 @@ __global__ void __launch_bounds__(1024)
   bucket_block(ids, copies, top_k, experts, out);
 }
 
+// One block of 1024 threads routes the n tokens (warp w: tokens w, w + 32, ...), then sorts the
+// copies it just chose (bucket_block reads the ids back after the barrier, from the block's own
+// writes): few tokens route in one launch instead of two.
+__global__ void __launch_bounds__(1024)
+  route_bucket_f32_kernel(const float* __restrict__ logits, const float* __restrict__ lo, int n,
+                          int experts, int top_k, bool renormalize, i64* __restrict__ ids,
+                          float* __restrict__ weights, bucket_out out) {
+  pdl_enter();
+  const auto logit = [&](int t, int e) {
+    const i64 at = static_cast<i64>(t) * experts + e;
+    return lo != nullptr ? logits[at] + lo[at] : logits[at];
+  };
+  for (int token = threadIdx.x >> 5; token < n; token += blockDim.x >> 5)
+    route_token(logit, token, experts, top_k, renormalize, ids, weights);
+  __syncthreads(); // the ids, written to global memory above, read back by the same block
+  bucket_block(ids, n * top_k, top_k, experts, out);
+}
+
 // --------------------------------------------------------------- expert GEMV
 
 // One block per (expert group, 8 output rows): the group's first sorted copy does the group
@@ -322,6 +340,24 @@ void bucket(const std::int64_t* ids, int copies, int top_k, int experts, const b
             void* stream) {
   launch("bucket", bucket_kernel, dim3(1), dim3(max_bucket_experts), as_stream(stream), ids,
          copies, top_k, experts, out);
+}
+
+bool route_bucket_supported(int n, int experts, int top_k) {
+  return n >= 1 && n <= route_bucket_max_tokens && route_supported(experts, top_k)
+         && bucket_supported(n * top_k, experts);
+}
+
+void route_bucket_f32(const float* logits, const float* lo, int n, int experts, int top_k,
+                      bool renormalize, std::int64_t* ids, float* weights, const bucket_out& out,
+                      void* stream) {
+  if (!route_bucket_supported(n, experts, top_k))
+    throw std::invalid_argument("route_bucket_f32: " + std::to_string(n) + " tokens, "
+                                + std::to_string(experts) + " experts, top_k "
+                                + std::to_string(top_k) + " (at most "
+                                + std::to_string(route_bucket_max_tokens)
+                                + " tokens, and what route and bucket take)");
+  launch("route_bucket", route_bucket_f32_kernel, dim3(1), dim3(max_bucket_experts),
+         as_stream(stream), logits, lo, n, experts, top_k, renormalize, ids, weights, out);
 }
 
 bool expert_gemv_supported(std::int64_t copies, std::int64_t k, std::int64_t max_copies) {

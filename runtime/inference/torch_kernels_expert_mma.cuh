@@ -1,0 +1,142 @@
+// The routed experts' tensor-core kernels' shared device pieces (torch_kernels_expert_mma.cu:
+// one block row per expert; torch_kernels_expert_stream.cu: resident warps streaming a sequence
+// of expert tiles): the weight stream's loads and cp.async stages, the MMAs of one k-iteration,
+// and the write of a finished tile.
+#pragma once
+
+#include "runtime/inference/torch_kernels.hpp"
+#include "runtime/inference/torch_kernels_common.cuh"
+
+namespace refit::inference::kernels::detail {
+
+constexpr int mma_warps = 8;       // per block
+constexpr int mma_token_tiles = 4; // tiles of 8 tokens per pass over an expert's weights
+
+// An L2 policy for the weight stream: evict-first (the weights are read once; the token rows,
+// read by every block of an expert, stay) or normal.
+__device__ __forceinline__ unsigned long long stream_policy(bool evict_first) {
+  unsigned long long p;
+  if (evict_first)
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+  else
+    asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(p));
+  return p;
+}
+
+// 16 bytes of weights read once: not kept in L1; L2 fetches the 256 bytes around them (the
+// row's next k-steps) under `policy`.
+__device__ __forceinline__ uint4 load_stream(const bf16* p, unsigned long long policy) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.L2::cache_hint.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p), "l"(policy));
+  return v;
+}
+
+__device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
+
+// One k-iteration's weight chunks of the thread's two rows.
+template <int CH>
+__device__ __forceinline__ void load_stage(const bf16* wa, const bf16* wb, int k0,
+                                           unsigned long long policy, uint4 (&a)[CH],
+                                           uint4 (&b)[CH]) {
+#pragma unroll
+  for (int c = 0; c < CH; ++c) {
+    a[c] = load_stream(wa + k0 + c * 32, policy);
+    b[c] = load_stream(wb + k0 + c * 32, policy);
+  }
+}
+
+// The MMAs of one k-iteration for the live token tiles.
+template <int CH, int TT>
+__device__ __forceinline__ void mma_stage(const bf16* const (&xr)[TT], int off, int tiles,
+                                          const uint4 (&a)[CH], const uint4 (&b)[CH],
+                                          float (&acc)[TT][4]) {
+#pragma unroll
+  for (int tt = 0; tt < TT; ++tt) {
+    if (tt < tiles) {
+#pragma unroll
+      for (int c = 0; c < CH; ++c) {
+        const uint4 xv = __ldg(reinterpret_cast<const uint4*>(xr[tt] + off + c * 32));
+        mma_bf16(acc[tt], a[c].x, b[c].x, a[c].y, b[c].y, xv.x, xv.y);
+        mma_bf16(acc[tt], a[c].z, b[c].z, a[c].w, b[c].w, xv.z, xv.w);
+      }
+    }
+  }
+}
+
+// One stage of a warp's ring: CH chunks of its two rows for each of the 32 lanes, in uint4s.
+template <int CH>
+constexpr int stage_uint4s = CH * 2 * 32;
+
+// Shared memory of a block's rings: S stages of its 8 warps.
+template <int CH, int S>
+constexpr int ring_bytes = S * mma_warps * stage_uint4s<CH> * 16;
+
+// The same k-iteration's chunks copied to shared memory (cp.async, no registers held while in
+// flight): lane l's chunk (c, row r) of a stage sits at uint4 ((c * 2 + r) * 32 + l) of the
+// stage's slot, so each lane reads back only what it wrote (no barrier; 512 contiguous bytes a
+// warp per chunk: no bank conflicts).
+__device__ __forceinline__ void cp_async_stream(uint4* dst, const bf16* src,
+                                                unsigned long long policy) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2;"
+               ::"r"(d), "l"(src), "l"(policy) : "memory");
+}
+
+template <int CH>
+__device__ __forceinline__ void copy_stage(uint4* slot, const bf16* wa, const bf16* wb, int k0,
+                                           unsigned long long policy) {
+#pragma unroll
+  for (int c = 0; c < CH; ++c) {
+    cp_async_stream(slot + (c * 2) * 32, wa + k0 + c * 32, policy);
+    cp_async_stream(slot + (c * 2 + 1) * 32, wb + k0 + c * 32, policy);
+  }
+}
+
+template <int CH>
+__device__ __forceinline__ void read_stage(const uint4* slot, uint4 (&a)[CH], uint4 (&b)[CH]) {
+#pragma unroll
+  for (int c = 0; c < CH; ++c) {
+    a[c] = slot[(c * 2) * 32];
+    b[c] = slot[(c * 2 + 1) * 32];
+  }
+}
+
+// A finished warp tile's sums, token tiles [0, tiles) of the pass at `base` of the expert's
+// `count` copies (sorted rows first .. first + count - 1): GLU, y bf16 [copies, cols] =
+// silu(gate) * up at column tile * 8 + g; else rows ra and rb of y (bf16, or fp32 with y_f32).
+template <bool GLU, int TT>
+__device__ __forceinline__ void write_tile(const float (&acc)[TT][4], int tiles, int base,
+                                           int count, i64 first, int tile, i64 ra, i64 rb,
+                                           int cols, void* __restrict__ y_out, bool y_f32) {
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  bf16* y = static_cast<bf16*>(y_out);
+  float* yf = static_cast<float*>(y_out);
+#pragma unroll
+  for (int tt = 0; tt < TT; ++tt)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int token = base + tt * 8 + 2 * t + j;
+      if (tt >= tiles || token >= count)
+        continue;
+      const i64 p = first + token;
+      if (GLU) {
+        y[p * cols + tile * 8 + g] = to_bf(silu(acc[tt][j]) * acc[tt][2 + j]);
+      } else if (y_f32) {
+        yf[p * cols + ra] = acc[tt][j];
+        yf[p * cols + rb] = acc[tt][2 + j];
+      } else {
+        y[p * cols + ra] = to_bf(acc[tt][j]);
+        y[p * cols + rb] = to_bf(acc[tt][2 + j]);
+      }
+    }
+}
+
+// expert_mma at k-split 1 with resident warps (expert_mma_args::persistent;
+// torch_kernels_expert_stream.cu): `chunks` per lane and k-step, experts by id.
+void expert_stream(const expert_mma_args& a, int chunks, int experts, cudaStream_t s);
+
+} // namespace refit::inference::kernels::detail

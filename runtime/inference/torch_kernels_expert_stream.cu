@@ -1,0 +1,218 @@
+// The routed experts' projections with resident warps (torch_kernels.hpp:
+// expert_mma_args::persistent): the same warp tiles, MMAs and sums as expert_mma at k-split 1
+// (torch_kernels_expert_mma.cu), but a grid of about the blocks that fit on the device at once,
+// each warp streaming a sequence of (expert, tile) items through ONE ring of cp.async stages.
+//
+// Why: with a block per (expert, 8 tiles), a warp's ring is filled at its tile's start and
+// drained at its end; at decode the down projection's tile is only k / 64 = 12 stages long, so
+// a third of every tile is spent with fewer bytes in flight, and every block pays its launch.
+// Here the ring runs ahead across item boundaries: the next tile's first stages are in flight
+// while the last ones of this tile feed the MMAs.
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "runtime/inference/torch_kernels.hpp"
+#include "runtime/inference/torch_kernels_expert_mma.cuh"
+
+namespace refit::inference::kernels::detail {
+
+namespace {
+
+// Warp w of the grid (W warps in all) takes the items w, w + W, w + 2W, ... of experts * tiles
+// (item i: expert i / tiles, warp tile i % tiles, so a block's 8 warps take 8 neighbouring
+// tiles of one expert and share its token rows in L1), skipping the empty experts, each item
+// in passes of up to TT * 8 of its expert's copies; within a pass, the k-iterations. Two
+// cursors walk that sequence: the prefetch cursor S stages ahead of the one feeding the MMAs.
+// Stage q of the sequence sits in slot q % S of the warp's ring. The warp tiles, the per-lane
+// k order and the sums are expert_mma_kernel's at k-split 1: the results are bitwise the same.
+//
+// early: the weights do not depend on the kernel before (griddepcontrol.wait), the counts do:
+// the first stages of item w's first pass are copied before the wait; if expert(w) turns out
+// empty they are awaited and dropped (its slots are refilled only after they landed).
+template <int CH, bool GLU, int TT, int S>
+__global__ void __launch_bounds__(mma_warps * 32, 2)
+  expert_stream_kernel(const bf16* __restrict__ x, const i64* __restrict__ x_rows,
+                       const bf16* __restrict__ w, const i64* __restrict__ counts,
+                       const int* __restrict__ offsets, void* __restrict__ y_out, int rows, int k,
+                       int experts, bool evict_first, bool y_f32, bool early) {
+  extern __shared__ uint4 mma_smem[];
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2;
+  const int lane_k = (lane & 3) * 8;
+  const int tiles_per_expert = rows / 16;
+  const int items = experts * tiles_per_expert;
+  const int stride = gridDim.x * mma_warps;
+  const int mine = blockIdx.x * mma_warps + warp; // the warp's first item
+  const int iters = k / (32 * CH);
+  const int cols = GLU ? rows / 2 : rows; // y's row length
+  const unsigned long long policy = stream_policy(evict_first);
+  uint4* ring = mma_smem + warp * (S * stage_uint4s<CH>) + lane;
+
+  // The lane's two weight rows (A fragment rows g and g + 8) of item i: expert_mma_kernel's.
+  const auto row_a = [&](int tile) -> i64 { return GLU ? tile * 8 + g : tile * 16 + g; };
+  const auto row_b = [&](int tile) -> i64 {
+    return GLU ? cols + tile * 8 + g : tile * 16 + 8 + g;
+  };
+  const auto weights = [&](int i, const bf16*& wa, const bf16*& wb) {
+    const int e = i / tiles_per_expert;
+    const int tile = i - e * tiles_per_expert;
+    wa = w + (static_cast<i64>(e) * rows + row_a(tile)) * k;
+    wb = w + (static_cast<i64>(e) * rows + row_b(tile)) * k;
+  };
+  // After the wait only: passes of item i, and the warp's next item from i on with copies.
+  const auto passes = [&](int i) {
+    return (static_cast<int>(counts[i / tiles_per_expert]) + 8 * TT - 1) / (8 * TT);
+  };
+  const auto next = [&](int i) {
+    while (i < items && counts[i / tiles_per_expert] == 0)
+      i += stride;
+    return i;
+  };
+
+  // The prefetch cursor: item pi (items: past the end), pass pp of pn, k-iteration pit.
+  int pi = mine, pp = 0, pn = 0, pit = 0;
+  const bf16 *pa = nullptr, *pb = nullptr;
+  const auto aim = [&](int i) {
+    pi = i;
+    pp = 0;
+    pit = 0;
+    if (i < items) {
+      weights(i, pa, pb);
+      pn = passes(i);
+    }
+  };
+  const auto step = [&]() {
+    if (++pit == iters) {
+      pit = 0;
+      if (++pp == pn)
+        aim(next(pi + stride));
+    }
+  };
+  // Stage q's chunks into slot q % S (nothing past the end), one commit group either way: the
+  // groups in flight stay S - 1 behind the one awaited.
+  const auto issue = [&](unsigned q) {
+    if (pi < items) {
+      copy_stage<CH>(ring + (q % S) * stage_uint4s<CH>, pa, pb, lane_k + pit * 32 * CH, policy);
+      step();
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  };
+
+  unsigned issued = 0;
+  if (early && mine < items) {
+    weights(mine, pa, pb);
+    for (; issued < S && issued < static_cast<unsigned>(iters); ++issued) {
+      copy_stage<CH>(ring + issued * stage_uint4s<CH>, pa, pb, lane_k + issued * 32 * CH,
+                     policy);
+      asm volatile("cp.async.commit_group;" ::: "memory");
+    }
+  }
+  pdl_enter();
+  const int start = next(mine);
+  if (issued > 0 && start == mine) { // the early stages are the sequence's first
+    pn = passes(mine);
+    pit = static_cast<int>(issued) - 1;
+    step();
+  } else {
+    if (issued > 0) // expert(mine) is empty: let its copies land before the slots are reused
+      asm volatile("cp.async.wait_all;" ::: "memory");
+    issued = 0;
+    aim(start);
+  }
+  for (; issued < S; ++issued)
+    issue(issued);
+
+  unsigned q = 0; // the stage feeding the MMAs
+  for (int i = start; i < items; i = next(i + stride)) {
+    const int e = i / tiles_per_expert;
+    const int tile = i - e * tiles_per_expert;
+    const int count = static_cast<int>(counts[e]);
+    const i64 first = offsets[e] - count;
+    for (int base = 0; base < count; base += 8 * TT) {
+      const int tiles = min(TT, (count - base + 7) / 8);
+      const bf16* xr[TT];
+#pragma unroll
+      for (int tt = 0; tt < TT; ++tt) {
+        const int p = first + min(base + tt * 8 + g, count - 1); // past the end: a real row, unused
+        xr[tt] = x + (x_rows != nullptr ? x_rows[p] : static_cast<i64>(p)) * k + lane_k;
+      }
+      float acc[TT][4] = {};
+      for (int it = 0; it < iters; ++it, ++q) {
+        asm volatile("cp.async.wait_group %0;" ::"n"(S - 1) : "memory"); // stage q landed
+        uint4 a[CH], b[CH];
+        read_stage<CH>(ring + (q % S) * stage_uint4s<CH>, a, b);
+        mma_stage<CH, TT>(xr, it * 32 * CH, tiles, a, b, acc);
+        issue(q + S); // into the slot just read: its registers fed the MMAs first
+      }
+      write_tile<GLU, TT>(acc, tiles, base, count, first, tile, row_a(tile), row_b(tile), cols,
+                          y_out, y_f32);
+    }
+  }
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
+}
+
+// The blocks of one launch: no more than fit on the device at once (the kernel's occupancy at
+// its shared memory), nor than the items need.
+template <class Kernel>
+int resident_blocks(Kernel kernel, int smem) {
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  int per_sm = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, mma_warps * 32, smem)
+        != cudaSuccess
+      || per_sm < 1)
+    per_sm = 1;
+  return per_sm * multiprocessors();
+}
+
+template <int CH, bool GLU, int S>
+void launch_stream(const expert_mma_args& a, int experts, cudaStream_t s) {
+  const auto kernel = expert_stream_kernel<CH, GLU, mma_token_tiles, S>;
+  const int smem = ring_bytes<CH, S>;
+  const long long items = static_cast<long long>(experts) * (a.rows / 16);
+  const long long wanted = (items + mma_warps - 1) / mma_warps;
+  static const int resident = resident_blocks(kernel, smem); // once per instantiation
+  const long long cap = a.max_blocks > 0 ? std::min(a.max_blocks, resident) : resident;
+  const int blocks = static_cast<int>(std::min<long long>(wanted, cap));
+  launch_smem("expert_stream", kernel, dim3(blocks), dim3(mma_warps * 32), smem, s,
+              static_cast<const bf16*>(a.x), a.x_rows, static_cast<const bf16*>(a.w), a.counts,
+              a.offsets, a.y, a.rows, a.k, experts, a.evict_first, a.y_f32 && !GLU, a.early);
+}
+
+template <int CH, bool GLU>
+void stream_for_stages(const expert_mma_args& a, int experts, cudaStream_t s) {
+  switch (a.stages) {
+    case 4: return launch_stream<CH, GLU, 4>(a, experts, s);
+    case 8:
+      if constexpr (CH <= 2) // 8 stages of 4 chunks would not fit in shared memory
+        return launch_stream<CH, GLU, 8>(a, experts, s);
+      break;
+  }
+  throw std::invalid_argument("expert_mma (persistent): stages " + std::to_string(a.stages)
+                              + " with " + std::to_string(CH)
+                              + " chunks (4, or 8 with at most 2: the ring is cp.async stages)");
+}
+
+} // namespace
+
+void expert_stream(const expert_mma_args& a, int chunks, int experts, cudaStream_t s) {
+  if (a.max_blocks < 0)
+    throw std::invalid_argument("expert_mma (persistent): max_blocks "
+                                + std::to_string(a.max_blocks)
+                                + " (0: as many as fit at once, or a positive cap)");
+  if (experts < 1)
+    return;
+  switch (chunks) {
+    case 4: return a.glu ? stream_for_stages<4, true>(a, experts, s)
+                         : stream_for_stages<4, false>(a, experts, s);
+    case 2: return a.glu ? stream_for_stages<2, true>(a, experts, s)
+                         : stream_for_stages<2, false>(a, experts, s);
+    case 1: return a.glu ? stream_for_stages<1, true>(a, experts, s)
+                         : stream_for_stages<1, false>(a, experts, s);
+  }
+  throw std::invalid_argument("expert_mma (persistent): " + std::to_string(chunks)
+                              + " chunks per lane (4, 2 or 1)");
+}
+
+} // namespace refit::inference::kernels::detail
