@@ -114,6 +114,15 @@ TEST(GpuEngine, TensorCoreExpertsInEveryStepComputeWhatTheAtenPathComputes) {
                              {"REFIT_EXPERT_MMA_MAX_COPIES", "4096"}});
 }
 
+// The experts through the resident-warp kernel (k-split 1 forced, so every step takes it) and
+// routing + the counting sort in one kernel at every row count up to 256.
+TEST(GpuEngine, PersistentExpertsAndOneKernelRoutingComputeWhatTheAtenPathComputes) {
+  REQUIRE_GPU();
+  expect_fused_matches_aten({{"REFIT_EXPERT_MMA_PERSISTENT", "1"},
+                             {"REFIT_EXPERT_MMA_KSPLIT", "1"},
+                             {"REFIT_ROUTE_BUCKET_MAX_TOKENS", "256"}});
+}
+
 // The router from bf16 h with bf16 logits, the lm_head, o_proj and the experts' down rounded to
 // bf16, attention on CUDA cores (the paths before the split router, the fp32 outputs and the
 // tensor-core attention).
@@ -204,16 +213,18 @@ struct decode_fixture {
 // Graphed against eager decode steps of five sequences, greedy and sampled, and graph replays
 // against each other; `experts_on_mma`: every step's experts on the tensor-core kernel (the
 // default), else the expert and dense GEMVs and the grouped GEMM.
-void expect_graph_replay_equals_eager(bool experts_on_mma) {
+void expect_graph_replay_equals_eager(bool experts_on_mma, const env_vars& more = {}) {
   const auto cfg = refit::testing::tiny_model();
   const auto w = engine_synthetic(cfg);
   gpu_memory mem;
-  const scoped_env env(experts_on_mma ? env_vars{{"REFIT_EXPERT_GEMV_MAX_COPIES", "0"},
-                                                 {"REFIT_EXPERT_MMA_MAX_COPIES", "4096"}}
-                                      : env_vars{{"REFIT_EXPERT_GEMV_MAX_COPIES", "8"},
-                                                 {"REFIT_EXPERT_MMA_MAX_COPIES", "0"},
-                                                 {"REFIT_DENSE_GEMV_MAX_ROWS", "8"},
-                                                 {"REFIT_DENSE_MMA_MAX_ROWS", "0"}});
+  env_vars knobs = experts_on_mma ? env_vars{{"REFIT_EXPERT_GEMV_MAX_COPIES", "0"},
+                                             {"REFIT_EXPERT_MMA_MAX_COPIES", "4096"}}
+                                  : env_vars{{"REFIT_EXPERT_GEMV_MAX_COPIES", "8"},
+                                             {"REFIT_EXPERT_MMA_MAX_COPIES", "0"},
+                                             {"REFIT_DENSE_GEMV_MAX_ROWS", "8"},
+                                             {"REFIT_DENSE_MMA_MAX_ROWS", "0"}};
+  knobs.insert(knobs.end(), more.begin(), more.end());
+  const scoped_env env(knobs);
   auto graphed = gpu_rig(mem, cfg, w, model::dtype::bfloat16, 8, 64, true);
   auto eager = gpu_rig(mem, cfg, w, model::dtype::bfloat16, 8, 64, false);
   decode_fixture g(graphed), e(eager);
@@ -270,6 +281,14 @@ TEST(GpuEngine, CudaGraphReplayEqualsEagerAndIsDeterministic) {
 TEST(GpuEngine, CudaGraphReplayOfTensorCoreExpertsEqualsEagerAndIsDeterministic) {
   REQUIRE_GPU();
   expect_graph_replay_equals_eager(true);
+}
+
+// The same through the resident-warp expert kernel and one-kernel routing + sort.
+TEST(GpuEngine, CudaGraphReplayOfPersistentExpertsEqualsEagerAndIsDeterministic) {
+  REQUIRE_GPU();
+  expect_graph_replay_equals_eager(true, {{"REFIT_EXPERT_MMA_PERSISTENT", "1"},
+                                          {"REFIT_EXPERT_MMA_KSPLIT", "1"},
+                                          {"REFIT_ROUTE_BUCKET_MAX_TOKENS", "256"}});
 }
 
 TEST(GpuEngine, GenerationWithContinuousBatchingIsBitwiseDeterministic) {

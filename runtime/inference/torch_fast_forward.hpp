@@ -342,6 +342,12 @@ private:
   // expert_mma_args::early (REFIT_EXPERT_MMA_EARLY): the first weight stages copied before the
   // wait for the kernel before (the experts by id from 4 routed copies an expert on).
   std::int64_t mma_early_ = 1;
+  // expert_mma_args::persistent (REFIT_EXPERT_MMA_PERSISTENT): at k-split 1 resident warps each
+  // stream a sequence of expert tiles through one ring of stages (no refill at tile starts).
+  std::int64_t mma_persistent_ = 0;
+  // Tokens up to which routing and the counting sort run as one kernel (route_bucket_f32, one
+  // block) instead of two (REFIT_ROUTE_BUCKET_MAX_TOKENS, at most 256; 0: always two).
+  std::int64_t route_bucket_max_tokens_ = 0;
   // Rows up to which qkv, o_proj and the router take the dense GEMV (REFIT_DENSE_GEMV_MAX_ROWS,
   // at most 8), then the tensor-core kernel (dense_mma) instead of cuBLAS
   // (REFIT_DENSE_MMA_MAX_ROWS, at most 64; 0: off).

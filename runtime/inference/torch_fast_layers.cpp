@@ -170,14 +170,42 @@ at::Tensor fast_rank_forward::experts(const layer_tensors& w, const at::Tensor& 
   }
 #if defined(REFIT_TORCH_CUDA)
   const int ni = static_cast<int>(n), ei = static_cast<int>(experts_), ki = static_cast<int>(top_k_);
+  // The counting sort's outputs (the fused kernels): bucket's, or route_bucket's with routing.
+  kernels::bucket_out b;
+  const bool sort_on_device = fused_ && kernels::bucket_supported(static_cast<int>(copies), ei);
+  if (sort_on_device) {
+    counts = at::empty({experts_}, i64_);
+    offsets = at::empty({experts_}, i64_.dtype(at::kInt));
+    order = at::empty({copies}, i64_);
+    src_token = at::empty({copies}, i64_);
+    inverse = at::empty({copies}, i64_);
+    active = at::empty({experts_ + 1}, i64_.dtype(at::kInt)); // the ids, then their number
+    b.counts = counts.data_ptr<std::int64_t>();
+    b.offsets = offsets.data_ptr<int>();
+    b.order = order.data_ptr<std::int64_t>();
+    b.src_token = src_token.data_ptr<std::int64_t>();
+    b.inverse = inverse.data_ptr<std::int64_t>();
+    b.active = active.data_ptr<int>();
+    b.active_count = active.data_ptr<int>() + experts_;
+    b.loads = expert_loads_.data_ptr<std::int64_t>();
+    b.loads_n = decode ? 2 : 1;
+  }
+  bool sorted = false; // routed and sorted in one kernel
   if (fused_ && kernels::route_supported(ei, ki)) {
     at::Tensor ids = at::empty({n, top_k_}, i64_);
     weights = at::empty({n, top_k_}, f32_);
     if (router_logits.scalar_type() == at::kFloat) {
       const float* l = router_logits.data_ptr<float>();
-      kernels::route_f32(l, two_parts ? l + n * experts_ : nullptr, ni, ei, ki,
-                         cfg_.norm_topk_prob, ids.data_ptr<std::int64_t>(),
-                         weights.data_ptr<float>(), stream());
+      const float* lo = two_parts ? l + n * experts_ : nullptr;
+      sorted = sort_on_device && n <= route_bucket_max_tokens_
+               && kernels::route_bucket_supported(ni, ei, ki);
+      if (sorted)
+        kernels::route_bucket_f32(l, lo, ni, ei, ki, cfg_.norm_topk_prob,
+                                  ids.data_ptr<std::int64_t>(), weights.data_ptr<float>(), b,
+                                  stream());
+      else
+        kernels::route_f32(l, lo, ni, ei, ki, cfg_.norm_topk_prob, ids.data_ptr<std::int64_t>(),
+                           weights.data_ptr<float>(), stream());
     } else {
       kernels::route(router_logits.data_ptr(), ni, ei, ki, cfg_.norm_topk_prob,
                      ids.data_ptr<std::int64_t>(), weights.data_ptr<float>(), stream());
@@ -196,26 +224,9 @@ at::Tensor fast_rank_forward::experts(const layer_tensors& w, const at::Tensor& 
       weights = weights / weights.sum(-1, /*keepdim=*/true);
   }
 #if defined(REFIT_TORCH_CUDA)
-  if (fused_ && kernels::bucket_supported(static_cast<int>(copies), ei)) {
-    counts = at::empty({experts_}, i64_);
-    offsets = at::empty({experts_}, i64_.dtype(at::kInt));
-    order = at::empty({copies}, i64_);
-    src_token = at::empty({copies}, i64_);
-    inverse = at::empty({copies}, i64_);
-    active = at::empty({experts_ + 1}, i64_.dtype(at::kInt)); // the ids, then their number
-    kernels::bucket_out b;
-    b.counts = counts.data_ptr<std::int64_t>();
-    b.offsets = offsets.data_ptr<int>();
-    b.order = order.data_ptr<std::int64_t>();
-    b.src_token = src_token.data_ptr<std::int64_t>();
-    b.inverse = inverse.data_ptr<std::int64_t>();
-    b.active = active.data_ptr<int>();
-    b.active_count = active.data_ptr<int>() + experts_;
-    b.loads = expert_loads_.data_ptr<std::int64_t>();
-    b.loads_n = decode ? 2 : 1;
+  if (sort_on_device && !sorted)
     kernels::bucket(chosen.data_ptr<std::int64_t>(), static_cast<int>(copies), ki, ei, b,
                     stream());
-  }
 #endif
   if (!order.defined()) {
     auto by_expert = at::sort(chosen, c10::optional<bool>(true), /*dim=*/0, /*descending=*/false);
@@ -293,6 +304,8 @@ at::Tensor fast_rank_forward::expert_projections(const layer_tensors& w, const a
     const int ks_up = kernels::expert_mma_ksplit(up, c, e, wanted); // 0: the shape does not fit
     const int ks_down = kernels::expert_mma_ksplit(down, c, e, wanted);
     if (ks_up > 0 && ks_down > 0) {
+      up.persistent = mma_persistent_ != 0 && ks_up == 1;
+      down.persistent = mma_persistent_ != 0 && ks_down == 1;
       down.y_f32 = fp32_residual_inputs(); // the fused mix adds it into the residual
       at::Tensor act = at::empty({copies, inter_}, bf_);
       at::Tensor ys = at::empty({copies, w.w2.size(1)}, down.y_f32 ? f32_ : bf_);
