@@ -1,6 +1,6 @@
 // Token sampling on the device (the bf16 engine): the semantics of sampling.hpp computed
 // with ATen ops over the logits where they were produced (without top-k / top-p, on a GPU of
-// the fused engine, one kernel: kernels::sample_plain), so only the sampled tokens and their
+// the fused engine, two kernels: kernels::sample_plain), so only the sampled tokens and their
 // log-probabilities cross to the host (one synchronization per step).
 //
 // The arithmetic follows process_logits/sample_token: z = logits / T in double, z - max(z),
@@ -34,13 +34,23 @@ device_samples sample_on_device(const at::Tensor& logits, const sampling_config&
   at::Tensor packed; // [D, 2] double on the host: token, logprob
 #if defined(REFIT_TORCH_CUDA)
   if (fused_kernel && logits.is_cuda() && !use_top_k && !use_top_p
-      && logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.stride(1) == 1) {
+      && logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.stride(1) == 1
+      && (logits.size(0) == 1 || logits.stride(0) >= vocab)) {
+    // A single row's stride is arbitrary in PyTorch (any value is valid for a size-1 dim); the
+    // kernel checks row_stride >= vocab, so give it the row length there.
+    const std::int64_t row_stride = logits.size(0) == 1 ? vocab : logits.stride(0);
     const at::Tensor r = rows.contiguous();
     const at::Tensor u = uniforms.contiguous();
+    const int draws = static_cast<int>(r.size(0));
     at::Tensor drawn = at::empty({r.size(0), 2}, logits.options().dtype(at::kDouble));
-    kernels::sample_plain(logits.data_ptr<float>(), vocab, logits.stride(0),
+    // The kernels' per-(draw, part) partial results; from the caching allocator, so this is
+    // allowed while a CUDA graph is captured.
+    at::Tensor scratch = at::empty(
+      {static_cast<std::int64_t>(kernels::sample_plain_scratch_bytes(vocab, draws))},
+      logits.options().dtype(at::kByte));
+    kernels::sample_plain(logits.data_ptr<float>(), vocab, row_stride,
                           r.data_ptr<std::int64_t>(), greedy ? nullptr : u.data_ptr<double>(),
-                          static_cast<int>(r.size(0)), inv_t, greedy, drawn.data_ptr<double>(),
+                          draws, inv_t, greedy, drawn.data_ptr<double>(), scratch.data_ptr(),
                           c10::cuda::getCurrentCUDAStream(logits.device().index()).stream());
     packed = drawn.cpu();
   }

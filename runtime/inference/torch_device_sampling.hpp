@@ -17,9 +17,9 @@ struct device_samples {
 
 // logits: [R, V] fp32 on any device; rows: [D] long, the logits row of each draw; uniforms:
 // [D] double on the logits' device (sampling_uniform of each draw; ignored when greedy).
-// fused_kernel: on a CUDA build and device, draws without top-k / top-p take one kernel
-// (kernels::sample_plain) instead of the ATen chain; the same arithmetic, its sums in another
-// fixed order.
+// fused_kernel: on a CUDA build and device, draws without top-k / top-p take the fused sampler
+// (kernels::sample_plain, two kernels) instead of the ATen chain; the same arithmetic, its
+// sums in another fixed order.
 device_samples sample_on_device(const at::Tensor& logits, const sampling_config& params,
                                 const at::Tensor& rows, const at::Tensor& uniforms,
                                 bool fused_kernel = false);

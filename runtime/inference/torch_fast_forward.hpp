@@ -361,8 +361,8 @@ private:
   // beats cuBLAS (12.72 vs 12.95 ms a step); at 64 (128 rows, two passes) it loses (19.38 vs
   // 18.85).
   std::int64_t router_mma_max_rows_ = 32;
-  // Draws without top-k / top-p in one kernel (kernels::sample_plain) instead of the ATen chain
-  // (REFIT_FUSED_SAMPLING=0|1).
+  // Draws without top-k / top-p by the fused sampler (kernels::sample_plain) instead of the
+  // ATen chain (REFIT_FUSED_SAMPLING=0|1).
   std::int64_t fused_sampling_ = 1;
   // The router from the post-attention norm split into two bf16 parts (hi + lo, one GEMM of 2n
   // rows, fp32 logits) instead of from bf16 h with bf16 logits (REFIT_ROUTER_SPLIT=0|1): expert

@@ -6,6 +6,7 @@
 // bf16 engine KV layout inside one block: [layer][k|v][slot][kv head][head_dim] bf16.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace refit::inference::kernels {
@@ -195,14 +196,21 @@ constexpr int dense_mma_max_rows = 128;
 int dense_mma_ksplit(const expert_mma_args& args, int m, int wanted);
 void dense_mma(const expert_mma_args& args, int m, int ksplit, void* stream);
 
-// Sampling without top-k / top-p filters, one block per draw d: out double [draws, 2] =
-// (token, logprob) from row rows[d] of logits fp32 (row_stride floats apart, vocab columns)
-// with uniform uniforms[d]; the arithmetic of sample_on_device (z = logits * inv_t - max in
-// double, the first id whose cumulative probability exceeds u, or the first maximum when
-// greedy; logprob = z[token] - log(sum exp z)), its sums in a fixed order.
+// Sampling without top-k / top-p filters: out double [draws, 2] = (token, logprob) of draw d
+// from row rows[d] of logits fp32 (row_stride >= vocab floats apart, vocab columns) with
+// uniform uniforms[d] (null when greedy); the arithmetic of sample_on_device (z = logits * inv_t
+// - max in double, the first id whose cumulative probability exceeds u (at most vocab - 1), or
+// the first maximum when greedy; logprob = z[token] - log(sum exp z)), its sums in a fixed
+// order: the same bits run to run. Two kernels: blocks of (draw, part of 4096 ids) write each
+// part's max and sum of exp to `scratch`, then a block per draw combines the parts and scans
+// only the part where the cdf passes u. scratch: device memory of sample_plain_scratch_bytes(
+// vocab, draws) bytes, 8-byte aligned, no initialization needed. No host synchronization nor
+// allocation: capturable in a CUDA graph. Bad shapes or null pointers throw
+// std::invalid_argument.
+std::size_t sample_plain_scratch_bytes(std::int64_t vocab, int draws);
 void sample_plain(const float* logits, std::int64_t vocab, std::int64_t row_stride,
                   const std::int64_t* rows, const double* uniforms, int draws, double inv_t,
-                  bool greedy, double* out, void* stream);
+                  bool greedy, double* out, void* scratch, void* stream);
 
 // act bf16 [m, i] = silu(gate) * up of gate_up bf16 [m, 2i] (fp32 math).
 void silu_mul(const void* gate_up, void* act, std::int64_t m, int i, void* stream);
