@@ -336,6 +336,37 @@ struct projection_case {
   bool glu;
 };
 
+// One projection case over the sorted routing `want` (gate_up: x of `tokens` rows gathered
+// through src_token; down: x by sorted position), random x and w from `seed`: the host
+// reference and the device inputs, `a` filled but for y (and the staging fields).
+struct projection_inputs {
+  std::vector<std::uint16_t> x, w;
+  std::vector<float> reference;
+  device_vec<std::uint16_t> d_x, d_w;
+  kernels::expert_mma_args a;
+  projection_inputs(const projection_case& pc, int tokens, int experts, const std::vector<i64>& ids,
+                    const sorted_copies& want, const refit::bench::device_bucket& d,
+                    std::uint32_t seed)
+    : x(random_bf16(static_cast<std::size_t>(pc.glu ? tokens : static_cast<int>(ids.size())) * pc.k,
+                    seed, 1.0f)),
+      w(random_bf16(static_cast<std::size_t>(experts) * pc.rows * pc.k, seed + 4,
+                    1.0f / std::sqrt(float(pc.k)))),
+      reference(host_projection(x, pc.glu ? &want.src_token : nullptr, w, want, ids, pc.rows,
+                                pc.k, pc.glu)),
+      d_x(x), d_w(w) {
+    a.x = d_x.p;
+    a.x_rows = pc.glu ? d.src_token.p : nullptr;
+    a.w = d_w.p;
+    a.active = d.active.p;
+    a.active_count = d.active.p + experts;
+    a.counts = d.counts.p;
+    a.offsets = d.offsets.p;
+    a.rows = pc.rows;
+    a.k = pc.k;
+    a.glu = pc.glu;
+  }
+};
+
 // gate_up (GLU, x gathered through src_token) and down (x by sorted position), for 70 tokens
 // routed over 32 experts: expert 0 takes all 70 copies (three passes of up to 32), some take
 // one, a quarter none. Every k-split that divides the shape, at each staging (4, 2 and 1
@@ -353,25 +384,10 @@ TEST(GpuMoeKernels, ExpertMmaMatchesTheHostReferenceAtEveryKSplit) {
   kernels::bucket(d_ids.p, copies, top_k, experts, d.out(), nullptr);
   for (const projection_case pc : {projection_case{256, 512, true}, projection_case{512, 256, false},
                                    projection_case{48, 128, false}}) {
-    const int in_rows = pc.glu ? tokens : copies;
-    const auto x = random_bf16(static_cast<std::size_t>(in_rows) * pc.k, 5, 1.0f);
-    const auto w = random_bf16(static_cast<std::size_t>(experts) * pc.rows * pc.k, 9,
-                               1.0f / std::sqrt(float(pc.k)));
-    const auto reference =
-      host_projection(x, pc.glu ? &want.src_token : nullptr, w, want, ids, pc.rows, pc.k, pc.glu);
-    device_vec<std::uint16_t> d_x(x), d_w(w);
+    projection_inputs in(pc, tokens, experts, ids, want, d, 5);
+    const auto& reference = in.reference;
+    kernels::expert_mma_args& a = in.a;
     const int cols = pc.glu ? pc.rows / 2 : pc.rows;
-    kernels::expert_mma_args a;
-    a.x = d_x.p;
-    a.x_rows = pc.glu ? d.src_token.p : nullptr;
-    a.w = d_w.p;
-    a.active = d.active.p;
-    a.active_count = d.active.p + experts;
-    a.counts = d.counts.p;
-    a.offsets = d.offsets.p;
-    a.rows = pc.rows;
-    a.k = pc.k;
-    a.glu = pc.glu;
     ASSERT_TRUE(kernels::expert_mma_supported(a)) << pc.rows << "x" << pc.k;
     const std::string shape = "rows " + std::to_string(pc.rows) + " k " + std::to_string(pc.k)
                               + " glu " + std::to_string(pc.glu);
@@ -406,25 +422,10 @@ TEST(GpuMoeKernels, PersistentExpertMmaEqualsTheBlockPerExpertKernelBitwise) {
   int compared = 0;
   for (const projection_case pc : {projection_case{256, 512, true}, projection_case{512, 256, false},
                                    projection_case{48, 128, false}}) {
-    const int in_rows = pc.glu ? tokens : copies;
-    const auto x = random_bf16(static_cast<std::size_t>(in_rows) * pc.k, 15, 1.0f);
-    const auto w = random_bf16(static_cast<std::size_t>(experts) * pc.rows * pc.k, 19,
-                               1.0f / std::sqrt(float(pc.k)));
-    const auto reference =
-      host_projection(x, pc.glu ? &want.src_token : nullptr, w, want, ids, pc.rows, pc.k, pc.glu);
-    device_vec<std::uint16_t> d_x(x), d_w(w);
+    projection_inputs in(pc, tokens, experts, ids, want, d, 15);
+    const auto& reference = in.reference;
+    kernels::expert_mma_args& a = in.a;
     const std::size_t y_elems = static_cast<std::size_t>(copies) * (pc.glu ? pc.rows / 2 : pc.rows);
-    kernels::expert_mma_args a;
-    a.x = d_x.p;
-    a.x_rows = pc.glu ? d.src_token.p : nullptr;
-    a.w = d_w.p;
-    a.active = d.active.p;
-    a.active_count = d.active.p + experts;
-    a.counts = d.counts.p;
-    a.offsets = d.offsets.p;
-    a.rows = pc.rows;
-    a.k = pc.k;
-    a.glu = pc.glu;
     const auto run = [&](const kernels::expert_mma_args& args) -> std::vector<std::uint16_t> {
       device_vec<std::uint16_t> d_y(y_elems);
       // NaN: an element left unwritten shows

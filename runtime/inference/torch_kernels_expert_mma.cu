@@ -158,11 +158,7 @@ __global__ void __launch_bounds__(mma_warps * 32, CH >= 4 && S == 0 ? 1 : 2)
   for (int base = 0; base < count; base += 8 * TT) {
     const int tiles = min(TT, (count - base + 7) / 8);
     const bf16* xr[TT];
-#pragma unroll
-    for (int tt = 0; tt < TT; ++tt) {
-      const int q = first + min(base + tt * 8 + g, count - 1); // past the end: a real row, unused
-      xr[tt] = x + (x_rows != nullptr ? x_rows[q] : static_cast<i64>(q)) * k + lane_k;
-    }
+    token_rows<TT>(x, x_rows, first, base, count, k, lane_k, xr);
     float acc[TT][4] = {};
     if (live)
       weight_pass<CH, TT, S>(xr, tiles, wa, wb, lane_k, iters, policy, ring, acc,

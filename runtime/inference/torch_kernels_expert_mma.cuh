@@ -103,6 +103,20 @@ __device__ __forceinline__ void read_stage(const uint4* slot, uint4 (&a)[CH], ui
   }
 }
 
+// The token rows of a pass: tile tt's B row for this lane (row group g) is copy
+// first + base + 8 tt + g of the expert's sorted copies (its x row: x_rows[copy], or the copy
+// itself), offset to the lane's k; past the last copy, the last one (a real row, its sums unused).
+template <int TT>
+__device__ __forceinline__ void token_rows(const bf16* x, const i64* x_rows, i64 first, int base,
+                                           int count, int k, int lane_k, const bf16* (&xr)[TT]) {
+  const int g = (threadIdx.x & 31) >> 2;
+#pragma unroll
+  for (int tt = 0; tt < TT; ++tt) {
+    const int q = first + min(base + tt * 8 + g, count - 1);
+    xr[tt] = x + (x_rows != nullptr ? x_rows[q] : static_cast<i64>(q)) * k + lane_k;
+  }
+}
+
 // A finished warp tile's sums, token tiles [0, tiles) of the pass at `base` of the expert's
 // `count` copies (sorted rows first .. first + count - 1): GLU, y bf16 [copies, cols] =
 // silu(gate) * up at column tile * 8 + g; else rows ra and rb of y (bf16, or fp32 with y_f32).

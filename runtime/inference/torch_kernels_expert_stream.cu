@@ -133,11 +133,7 @@ __global__ void __launch_bounds__(mma_warps * 32, 2)
     for (int base = 0; base < count; base += 8 * TT) {
       const int tiles = min(TT, (count - base + 7) / 8);
       const bf16* xr[TT];
-#pragma unroll
-      for (int tt = 0; tt < TT; ++tt) {
-        const int p = first + min(base + tt * 8 + g, count - 1); // past the end: a real row, unused
-        xr[tt] = x + (x_rows != nullptr ? x_rows[p] : static_cast<i64>(p)) * k + lane_k;
-      }
+      token_rows<TT>(x, x_rows, first, base, count, k, lane_k, xr);
       float acc[TT][4] = {};
       for (int it = 0; it < iters; ++it, ++q) {
         asm volatile("cp.async.wait_group %0;" ::"n"(S - 1) : "memory"); // stage q landed
