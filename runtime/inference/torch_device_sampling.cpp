@@ -21,9 +21,9 @@
 
 namespace refit::inference {
 
-device_samples sample_on_device(const at::Tensor& logits, const sampling_config& params,
-                                const at::Tensor& rows, const at::Tensor& uniforms,
-                                [[maybe_unused]] bool fused_kernel) {
+at::Tensor sample_on_device_async(const at::Tensor& logits, const sampling_config& params,
+                                  const at::Tensor& rows, const at::Tensor& uniforms,
+                                  [[maybe_unused]] bool fused_kernel) {
   const std::int64_t vocab = logits.size(1);
   const double inv_t =
     params.temperature == 0.0f ? 1.0 : 1.0 / static_cast<double>(params.temperature);
@@ -31,7 +31,7 @@ device_samples sample_on_device(const at::Tensor& logits, const sampling_config&
   const bool use_top_k = params.top_k > 0 && params.top_k < vocab;
   const bool use_top_p = params.top_p > 0.0f && params.top_p < 1.0f;
 
-  at::Tensor packed; // [D, 2] double on the host: token, logprob
+  at::Tensor packed; // [D, 2] double on the logits' device: token, logprob
 #if defined(REFIT_TORCH_CUDA)
   if (fused_kernel && logits.is_cuda() && !use_top_k && !use_top_p
       && logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.stride(1) == 1
@@ -52,7 +52,7 @@ device_samples sample_on_device(const at::Tensor& logits, const sampling_config&
                           r.data_ptr<std::int64_t>(), greedy ? nullptr : u.data_ptr<double>(),
                           draws, inv_t, greedy, drawn.data_ptr<double>(), scratch.data_ptr(),
                           c10::cuda::getCurrentCUDAStream(logits.device().index()).stream());
-    packed = drawn.cpu();
+    packed = drawn;
   }
 #endif
   if (!packed.defined()) {
@@ -98,8 +98,13 @@ device_samples sample_on_device(const at::Tensor& logits, const sampling_config&
       logprob = sz.gather(1, pick) - total.log();
     }
     // One transfer: [token, logprob] per draw as doubles (ids < 2^53 are exact).
-    packed = at::cat({token.to(at::kDouble), logprob}, 1).cpu();
+    packed = at::cat({token.to(at::kDouble), logprob}, 1);
   }
+  return packed;
+}
+
+device_samples take_samples(const at::Tensor& packed_on_device) {
+  const at::Tensor packed = packed_on_device.cpu();
   device_samples out;
   const auto a = packed.accessor<double, 2>();
   out.tokens.resize(static_cast<std::size_t>(packed.size(0)));
@@ -109,6 +114,12 @@ device_samples sample_on_device(const at::Tensor& logits, const sampling_config&
     out.logprobs[static_cast<std::size_t>(i)] = static_cast<float>(a[i][1]);
   }
   return out;
+}
+
+device_samples sample_on_device(const at::Tensor& logits, const sampling_config& params,
+                                const at::Tensor& rows, const at::Tensor& uniforms,
+                                bool fused_kernel) {
+  return take_samples(sample_on_device_async(logits, params, rows, uniforms, fused_kernel));
 }
 
 } // namespace refit::inference

@@ -24,4 +24,12 @@ device_samples sample_on_device(const at::Tensor& logits, const sampling_config&
                                 const at::Tensor& rows, const at::Tensor& uniforms,
                                 bool fused_kernel = false);
 
+// The same in two halves: the draws enqueued on the current stream, [D, 2] double (token,
+// logprob) on the logits' device, nothing waited for; then their copy to the host (which
+// synchronizes with that stream).
+at::Tensor sample_on_device_async(const at::Tensor& logits, const sampling_config& params,
+                                  const at::Tensor& rows, const at::Tensor& uniforms,
+                                  bool fused_kernel = false);
+device_samples take_samples(const at::Tensor& packed_on_device);
+
 } // namespace refit::inference

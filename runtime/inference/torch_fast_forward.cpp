@@ -161,19 +161,22 @@ std::vector<sampled_token> fast_rank_forward::forward_sample_device(const std::v
                                                  const std::vector<sample_draw>& draws,
                                                  const std::vector<double>& uniforms) {
   scope s(*this);
-  const at::Tensor logits = is_decode(items) && graphs_enabled_
-                              ? run_graph(items, kv_base)
-                              : run_eager(items, kv_base, logits_rows::last_token);
+  // The draws' logits rows and uniforms go up before the step, without waiting on the stream,
+  // so the sampling kernels are queued behind the step: no host round trip between the last
+  // layer and the draws.
   std::vector<std::int64_t> rows;
   rows.reserve(draws.size());
   for (const auto& d : draws)
     rows.push_back(d.row);
-  const at::Tensor row_index = upload(rows); // waits for the step's collectives (deadline)
-  const at::Tensor u = at::from_blob(const_cast<double*>(uniforms.data()),
-                                     {static_cast<std::int64_t>(uniforms.size())}, at::kDouble)
-                         .to(device_);
-  const device_samples drawn =
-    sample_on_device(logits, params, row_index, u, fused_ && fused_sampling_ != 0);
+  const at::Tensor row_index = upload_async(rows.data(), at::kLong, rows.size());
+  const at::Tensor u = upload_async(uniforms.data(), at::kDouble, uniforms.size());
+  const at::Tensor logits = is_decode(items) && graphs_enabled_
+                              ? run_graph(items, kv_base)
+                              : run_eager(items, kv_base, logits_rows::last_token);
+  const at::Tensor packed =
+    sample_on_device_async(logits, params, row_index, u, fused_ && fused_sampling_ != 0);
+  wait_collectives(); // before the host copy synchronizes with the stream
+  const device_samples drawn = take_samples(packed);
   std::vector<sampled_token> out(draws.size());
   for (std::size_t i = 0; i < draws.size(); ++i)
     out[i] = {drawn.tokens[i], drawn.logprobs[i]};

@@ -161,6 +161,19 @@ private:
       .to(device_);
   }
 
+  // Host -> device without waiting on the stream: the values are staged in pinned memory on a
+  // GPU (the caching host allocator keeps the staging block until the copy has run), copied as
+  // they are elsewhere.
+  at::Tensor upload_async(const void* values, at::ScalarType type, std::size_t count) const {
+    const auto n = static_cast<std::int64_t>(count);
+    const at::Tensor host = at::from_blob(const_cast<void*>(values), {n}, type);
+    if (!device_.is_cuda())
+      return host.clone();
+    at::Tensor staged = at::empty({n}, at::TensorOptions().dtype(type).pinned_memory(true));
+    staged.copy_(host);
+    return staged.to(device_, /*non_blocking=*/true);
+  }
+
   // [nb, block, kv heads, head_dim] view of (layer, k|v) over the arena at kv_base (the bf16
   // engine's block layout: [layer][k|v][slot][kv head][head_dim]).
   at::Tensor kv_view(std::byte* kv_base, std::uint32_t layer, std::uint32_t kind) const {
