@@ -356,7 +356,8 @@ private:
   // wait for the kernel before (the experts by id from 4 routed copies an expert on).
   std::int64_t mma_early_ = 1;
   // expert_mma_args::persistent (REFIT_EXPERT_MMA_PERSISTENT): at k-split 1 resident warps each
-  // stream a sequence of expert tiles through one ring of stages (no refill at tile starts).
+  // stream a sequence of expert tiles through one ring of stages (no refill at tile starts);
+  // 1: both projections, 2: the down projection only (its tiles are 12 k-steps at decode).
   std::int64_t mma_persistent_ = 0;
   // Tokens up to which routing and the counting sort run as one kernel (route_bucket_f32, one
   // block) instead of two (REFIT_ROUTE_BUCKET_MAX_TOKENS, at most 256; 0: always two).

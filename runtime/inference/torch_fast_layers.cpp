@@ -304,7 +304,7 @@ at::Tensor fast_rank_forward::expert_projections(const layer_tensors& w, const a
     const int ks_up = kernels::expert_mma_ksplit(up, c, e, wanted); // 0: the shape does not fit
     const int ks_down = kernels::expert_mma_ksplit(down, c, e, wanted);
     if (ks_up > 0 && ks_down > 0) {
-      up.persistent = mma_persistent_ != 0 && ks_up == 1;
+      up.persistent = mma_persistent_ == 1 && ks_up == 1;
       down.persistent = mma_persistent_ != 0 && ks_down == 1;
       down.y_f32 = fp32_residual_inputs(); // the fused mix adds it into the residual
       at::Tensor act = at::empty({copies, inter_}, bf_);
