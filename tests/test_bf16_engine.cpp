@@ -275,11 +275,9 @@ void expect_engine_knob(const char* name, std::vector<const char*> bad, const st
 
 } // namespace
 
-// REFIT_PDL (programmatic dependent launch of the CUDA kernels) and REFIT_ATTENTION_EARLY_TILE
-// are 0 or 1, on CPU as on GPU.
+// REFIT_PDL (programmatic dependent launch of the CUDA kernels) is 0 or 1, on CPU as on GPU.
 TEST(Bf16Engine, AProgrammaticLaunchKnobThatIsNotZeroOrOneIsRefused) {
   expect_engine_knob("REFIT_PDL", {"yes", "2", "1 "}, " is not 0 or 1", {"0", "1"});
-  expect_engine_knob("REFIT_ATTENTION_EARLY_TILE", {"early", "2"}, " is not 0 or 1", {"0", "1"});
 }
 
 // The tensor-core expert knobs: REFIT_EXPERT_MMA_MAX_COPIES is a count of routed copies,

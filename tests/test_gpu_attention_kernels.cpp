@@ -2,8 +2,7 @@
 // 0 on CUDA cores, 1 and 2 on the tensor cores) against a host reference (fp64 over the same
 // bf16 q / K / V) over shuffled block tables, lengths inside one block, across block boundaries
 // and one past a tile of 32, one and several splits, at head_dim 64 and 128 and groups 1 to 16
-// (group 16 always on CUDA cores), the cache of the second of two layers; mode 2 with its first
-// tile copied while q is staged (the default) and after.
+// (group 16 always on CUDA cores), the cache of the second of two layers.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -91,15 +90,14 @@ TEST(GpuAttentionKernels, DecodeAttentionMatchesTheHostReferenceOnEveryKernel) {
     kv.part_elems = part;
     kv.layer_offset = layer * 2 * part;
     kv.block_size = block;
-    for (const int mode : {0, 1, 2, 3}) // 3: mode 2 with the first tile copied after q
+    for (const int mode : {0, 1, 2})
       for (const int splits : {1, 3, 16}) {
-        kernels::set_attention_early_tile(mode == 2);
         device_vec<std::uint16_t> out(reference.size());
         CUDA_OK(cudaMemset(out.p, 0xff, out.n * 2)); // NaN: an element left unwritten shows
         device_vec<float> partial(static_cast<std::size_t>(b) * hq * splits * (d + 2));
         kernels::decode_attention(d_q.p, kv, d_table.p, width, d_lengths.p, out.p,
                                   splits > 1 ? partial.p : nullptr, splits, b, hq, hkv, d,
-                                  nullptr, mode == 3 ? 2 : mode);
+                                  nullptr, mode);
         CUDA_OK(cudaDeviceSynchronize());
         const auto got = out.host();
         double worst = 0;
@@ -111,7 +109,6 @@ TEST(GpuAttentionKernels, DecodeAttentionMatchesTheHostReferenceOnEveryKernel) {
         EXPECT_LT(worst, 0.02) << "d " << d << " group " << c.group << " splits " << splits
                                << " mode " << mode;
       }
-    kernels::set_attention_early_tile(true);
   }
 }
 

@@ -431,7 +431,7 @@ json generate_bench::run() {
                            "REFIT_RESIDUAL_FP32", "REFIT_ATTENTION_MMA",
                            "REFIT_ATTENTION_SPLITS", "REFIT_EXPERT_MMA_STAGES",
                            "REFIT_EXPERT_MMA_EARLY", "REFIT_EXPERT_MMA_PERSISTENT",
-                           "REFIT_ROUTE_BUCKET_MAX_TOKENS", "REFIT_ATTENTION_EARLY_TILE", "REFIT_ROUTER_MMA_MAX_ROWS",
+                           "REFIT_ROUTE_BUCKET_MAX_TOKENS", "REFIT_ROUTER_MMA_MAX_ROWS",
                            "REFIT_ATTENTION_FUSED_QK"})
     if (const char* v = std::getenv(knob); v != nullptr)
       out["engine_env"][knob] = v;

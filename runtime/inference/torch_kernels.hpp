@@ -72,10 +72,6 @@ struct attention_qk {
   const std::int64_t* write_slot = nullptr;
   float eps = 0.0f;
 };
-// Mode 2 copies each warp's first K/V tile while the block stages q (the last position's row,
-// which its own q/k may be writing, after the barrier); off: after it, as the later tiles.
-// Process-wide, read at launch (REFIT_ATTENTION_EARLY_TILE).
-void set_attention_early_tile(bool on);
 bool decode_attention_supported(int d, int group);
 int decode_attention_splits(int b, int hkv);
 void decode_attention(const void* q, kv_target kv, const std::int64_t* table, int width,
