@@ -367,6 +367,20 @@ struct projection_inputs {
   }
 };
 
+// 70 tokens routed top-4 over 32 experts, skewed (expert 0 takes all 70 copies: three passes of
+// up to 32; some experts one copy, a quarter none), sorted on the device by bucket with the
+// expert loads starting at `loads`.
+struct routed_copies {
+  static constexpr int tokens = 70, top_k = 4, experts = 32, copies = tokens * top_k;
+  std::vector<i64> ids = skewed_routing(tokens, top_k, experts, 11);
+  sorted_copies want = host_bucket(ids, top_k, experts);
+  device_vec<i64> d_ids{ids};
+  refit::bench::device_bucket d;
+  explicit routed_copies(const std::vector<i64>& loads) : d(0, copies, experts, loads) {
+    kernels::bucket(d_ids.p, copies, top_k, experts, d.out(), nullptr);
+  }
+};
+
 // gate_up (GLU, x gathered through src_token) and down (x by sorted position), for 70 tokens
 // routed over 32 experts: expert 0 takes all 70 copies (three passes of up to 32), some take
 // one, a quarter none. Every k-split that divides the shape, at each staging (4, 2 and 1
@@ -374,14 +388,13 @@ struct projection_inputs {
 // against the reference; 48 rows are 3 warp tiles (blocks with idle warps).
 TEST(GpuMoeKernels, ExpertMmaMatchesTheHostReferenceAtEveryKSplit) {
   REQUIRE_GPUS(1);
-  const int tokens = 70, top_k = 4, experts = 32;
-  const int copies = tokens * top_k;
-  const auto ids = skewed_routing(tokens, top_k, experts, 11);
-  const auto want = host_bucket(ids, top_k, experts);
+  const routed_copies r({5, 7});
+  constexpr int tokens = routed_copies::tokens, experts = routed_copies::experts;
+  constexpr int copies = routed_copies::copies;
+  const std::vector<i64>& ids = r.ids;
+  const sorted_copies& want = r.want;
+  const refit::bench::device_bucket& d = r.d;
   ASSERT_GT(want.counts[0], 64);
-  device_vec<i64> d_ids(ids);
-  refit::bench::device_bucket d(0, copies, experts, {5, 7}); // expert loads start at 5 and 7
-  kernels::bucket(d_ids.p, copies, top_k, experts, d.out(), nullptr);
   for (const projection_case pc : {projection_case{256, 512, true}, projection_case{512, 256, false},
                                    projection_case{48, 128, false}}) {
     projection_inputs in(pc, tokens, experts, ids, want, d, 5);
@@ -412,13 +425,12 @@ TEST(GpuMoeKernels, ExpertMmaMatchesTheHostReferenceAtEveryKSplit) {
 // tolerance too. Then the refusals: a k-split other than 1, a negative block cap.
 TEST(GpuMoeKernels, PersistentExpertMmaEqualsTheBlockPerExpertKernelBitwise) {
   REQUIRE_GPUS(1);
-  const int tokens = 70, top_k = 4, experts = 32;
-  const int copies = tokens * top_k;
-  const auto ids = skewed_routing(tokens, top_k, experts, 11);
-  const auto want = host_bucket(ids, top_k, experts);
-  device_vec<i64> d_ids(ids);
-  refit::bench::device_bucket d(0, copies, experts, {0});
-  kernels::bucket(d_ids.p, copies, top_k, experts, d.out(), nullptr);
+  const routed_copies r({0});
+  constexpr int tokens = routed_copies::tokens, experts = routed_copies::experts;
+  constexpr int copies = routed_copies::copies;
+  const std::vector<i64>& ids = r.ids;
+  const sorted_copies& want = r.want;
+  const refit::bench::device_bucket& d = r.d;
   int compared = 0;
   for (const projection_case pc : {projection_case{256, 512, true}, projection_case{512, 256, false},
                                    projection_case{48, 128, false}}) {
