@@ -42,6 +42,19 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// The warp's inclusive prefix sum in lane order (Hillis-Steele: a fixed order, the same bits
+// run to run).
+template <class T>
+__device__ __forceinline__ T warp_inclusive(T v) {
+  const int lane = threadIdx.x & 31;
+  for (int o = 1; o < 32; o <<= 1) {
+    const T up = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= o)
+      v += up;
+  }
+  return v;
+}
+
 // The warp's largest (value, id) pair, ties to the lower id; every lane gets it.
 template <class V, class I>
 __device__ __forceinline__ void warp_argmax(V& best, I& id) {

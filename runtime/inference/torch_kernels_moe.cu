@@ -76,19 +76,25 @@ __global__ void route_kernel(const bf16* __restrict__ logits, int n, int experts
 }
 
 // fp32 logits, plus a second part (lo, may be null) added to them: the router of the split
-// input hi + lo.
+// input hi + lo (route_token's logit(token, e)).
+struct split_logit {
+  const float* __restrict__ logits;
+  const float* __restrict__ lo;
+  int experts;
+  __device__ float operator()(int t, int e) const {
+    const i64 at = static_cast<i64>(t) * experts + e;
+    return lo != nullptr ? logits[at] + lo[at] : logits[at];
+  }
+};
+
 __global__ void route_f32_kernel(const float* __restrict__ logits, const float* __restrict__ lo,
                                  int n, int experts, int top_k, bool renormalize,
                                  i64* __restrict__ ids, float* __restrict__ weights) {
   pdl_enter();
   const int token = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   if (token < n)
-    route_token(
-      [&](int t, int e) {
-        const i64 at = static_cast<i64>(t) * experts + e;
-        return lo != nullptr ? logits[at] + lo[at] : logits[at];
-      },
-      token, experts, top_k, renormalize, ids, weights);
+    route_token(split_logit{logits, lo, experts}, token, experts, top_k, renormalize, ids,
+                weights);
 }
 
 // ----------------------------------------------------------------- bucket by expert
@@ -121,12 +127,7 @@ __device__ void bucket_block(const i64* __restrict__ ids, int copies, int top_k,
   __syncthreads();
   const int e = threadIdx.x; // blockDim.x == max_bucket_experts
   const int c = e < experts ? count[e] : 0;
-  int inclusive = c;
-  for (int o = 1; o < 32; o <<= 1) {
-    const int v = __shfl_up_sync(0xffffffffu, inclusive, o);
-    if (lane >= o)
-      inclusive += v;
-  }
+  const int inclusive = warp_inclusive(c);
   const unsigned nonempty = __ballot_sync(0xffffffffu, c > 0);
   if (lane == 31)
     warp_total[warp] = inclusive;
@@ -134,16 +135,8 @@ __device__ void bucket_block(const i64* __restrict__ ids, int copies, int top_k,
     warp_used[warp] = __popc(nonempty);
   const int used = __syncthreads_count(c > 0);
   if (warp == 0) {
-    int t = warp_total[lane];
-    int u = warp_used[lane];
-    for (int o = 1; o < 32; o <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, t, o);
-      const int w = __shfl_up_sync(0xffffffffu, u, o);
-      if (lane >= o) {
-        t += v;
-        u += w;
-      }
-    }
+    const int t = warp_inclusive(warp_total[lane]);
+    const int u = warp_inclusive(warp_used[lane]);
     warp_total[lane] = t;
     warp_used[lane] = u;
   }
@@ -201,12 +194,9 @@ __global__ void __launch_bounds__(1024)
                           int experts, int top_k, bool renormalize, i64* __restrict__ ids,
                           float* __restrict__ weights, bucket_out out) {
   pdl_enter();
-  const auto logit = [&](int t, int e) {
-    const i64 at = static_cast<i64>(t) * experts + e;
-    return lo != nullptr ? logits[at] + lo[at] : logits[at];
-  };
   for (int token = threadIdx.x >> 5; token < n; token += blockDim.x >> 5)
-    route_token(logit, token, experts, top_k, renormalize, ids, weights);
+    route_token(split_logit{logits, lo, experts}, token, experts, top_k, renormalize, ids,
+                weights);
   __syncthreads(); // the ids, written to global memory above, read back by the same block
   bucket_block(ids, n * top_k, top_k, experts, out);
 }

@@ -116,17 +116,6 @@ __device__ __forceinline__ double part_mass(const part_stat& p, double M) {
   return p.s == 0.0 ? 0.0 : p.s * exp(p.m - M);
 }
 
-// The warp's inclusive prefix sum in lane order (Hillis-Steele: a fixed order).
-__device__ __forceinline__ double warp_inclusive(double v) {
-  const int lane = threadIdx.x & 31;
-  for (int o = 1; o < 32; o <<= 1) {
-    const double up = __shfl_up_sync(0xffffffffu, v, o);
-    if (lane >= o)
-      v += up;
-  }
-  return v;
-}
-
 // Kernel 2, block d: out[d] = (token, logprob) as doubles from draw d's part_stat row.
 // token = the first id whose cumulative probability exceeds u[d] (= the number of ids whose
 // cdf is <= u, at most vocab - 1), or the first maximum when greedy; logprob = z[token] - M -
