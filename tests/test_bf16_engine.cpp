@@ -114,7 +114,8 @@ TEST(Bf16Engine, DeviceSamplingDrawsWhatTheHostSamplerDrawsFromTheSameLogits) {
 
 struct engine_group {
   engine_group(const model::model_config& cfg, const refit::testing::engine_weights& w,
-               model::dtype dt, std::uint64_t kv_bytes, std::uint32_t max_batch)
+               model::dtype dt, std::uint64_t kv_bytes, std::uint32_t max_batch,
+               bool pipeline_decode = true)
     : layout(std::make_shared<const model::tp_layout>(cfg, 1)),
       residents(inf::scatter_residents(cfg, 1, 0, w.params, w.pointers())),
       arena(kv_bytes) {
@@ -122,6 +123,7 @@ struct engine_group {
     o.block_size = 8;
     o.compute_dtype = dt;
     o.max_batch = max_batch;
+    o.pipeline_decode = pipeline_decode;
     engine = std::make_unique<inf::engine>(cfg, layout, 0, arena.data(), kv_bytes, o);
   }
   std::vector<inf::generation> generate(const inf::generate_input& in, inf::generate_stats* st) {
@@ -203,6 +205,95 @@ TEST(ContinuousBatching, TheBf16EngineIsBitwiseDeterministicRunToRun) {
   inf::engine_options fp32_options;
   fp32_options.block_size = 8;
   EXPECT_EQ(inf::engine_kv_geometry(cfg, 1, fp32_options).block_bytes(), 2 * block);
+}
+
+// Pipelined decode (engine_options::pipeline_decode: step N + 1 begun before step N's tokens
+// reach the host, its input tokens fed from step N's draws on the device) draws what the
+// synchronous schedule draws, bit for bit: tokens, logprobs and finish reasons, with stop
+// tokens mid-flight (their dropped rows), n > 1 and prompts admitted in waves (a step in
+// flight only once every prompt is in); every block comes back, and the engine still counts
+// one step per landed step.
+TEST(ContinuousBatching, PipelinedDecodeDrawsWhatTheSynchronousScheduleDraws) {
+  const auto cfg = refit::testing::tiny_model();
+  const auto w = engine_synthetic(cfg);
+  const auto in = mixed_request(cfg);
+  const std::uint64_t block = inf::kv_geometry::of(cfg, 1, 8, 2).block_bytes();
+  for (const std::uint32_t slots : {4u, 64u}) {
+    SCOPED_TRACE("max_batch " + std::to_string(slots));
+    engine_group sync(cfg, w, model::dtype::bfloat16, 64 * block, slots, false);
+    engine_group piped(cfg, w, model::dtype::bfloat16, 64 * block, slots, true);
+    inf::generate_stats a_st, b_st;
+    const auto a = sync.generate(in, &a_st);
+    const auto b = piped.generate(in, &b_st);
+    ASSERT_EQ(a.size(), b.size());
+    std::size_t stopped = 0;
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      EXPECT_TRUE(a[i] == b[i]) << "sample " << i; // tokens, finish reason, logprob bits
+      stopped += a[i].finish_reason == "stop" && a[i].token_ids.size() < 12u;
+    }
+    EXPECT_GT(stopped, 0u) << "stops must land while a step is in flight";
+    EXPECT_EQ(a_st.generated_tokens, b_st.generated_tokens);
+    EXPECT_EQ(a_st.decode_tokens, b_st.decode_tokens) << "dropped rows are not tokens";
+    EXPECT_EQ(a_st.decode_kv_positions, b_st.decode_kv_positions);
+    EXPECT_EQ(a_st.waves, b_st.waves);
+    // Rows of stopped samples can make a step the synchronous schedule does not run.
+    EXPECT_EQ(b_st.forward_passes - a_st.forward_passes, b_st.decode_steps - a_st.decode_steps);
+    EXPECT_GE(b_st.decode_steps, a_st.decode_steps);
+    EXPECT_EQ(a_st.decode_steps_ahead, 0u);
+    EXPECT_EQ(a_st.decode_rows_dropped, 0u);
+    EXPECT_GT(b_st.decode_steps_ahead, 0u) << "the steps after the last admission run ahead";
+    if (slots == 64u) { // every prompt admitted at once: the whole decode runs ahead
+      EXPECT_GT(b_st.decode_steps_ahead, a_st.decode_steps / 2);
+      EXPECT_GT(b_st.decode_rows_dropped, 0u) << "a stop must land with its next row in flight";
+    }
+    EXPECT_EQ(piped.engine->available_blocks(), 64u) << "every block is released";
+    EXPECT_EQ(sync.engine->available_blocks(), 64u);
+  }
+}
+
+// begin_sample's protocol errors are refused with what was wrong: a feed of the wrong length,
+// a feed into a prompt of several tokens, a feed with nothing begun before, finish_sample
+// with nothing begun, and a synchronous step while a begun one is not finished.
+TEST(ContinuousBatching, PipelinedStepsRefuseBrokenFeedsNamingThem) {
+  const auto cfg = refit::testing::tiny_model();
+  const auto w = engine_synthetic(cfg);
+  host_memory mem;
+  auto rig = cpu_rig(mem, cfg, w, model::dtype::bfloat16, 8, 8);
+  inf::rank_forward& f = *rig.forward;
+  ASSERT_TRUE(f.pipelines_samples());
+  const auto prompt = engine_prompt(5);
+  std::vector<std::uint32_t> blocks = {0, 1};
+  inf::sampling_config params;
+  const std::vector<inf::forward_item> prefill = {{blocks.data(), 2, 0, prompt.data(), 5}};
+  const std::vector<inf::sample_draw> one = {{0, 0, 0, 0}};
+  const auto refused = [](const std::function<void()>& call, const std::string& words) {
+    try {
+      call();
+      ADD_FAILURE() << "accepted; expected an error naming " << words;
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+    }
+  };
+  refused([&] { f.begin_sample(prefill, rig.arena, params, one, {0, 0}); }, "2 feed entries");
+  refused([&] { f.begin_sample(prefill, rig.arena, params, one, {0}); }, "an item of 5 tokens");
+  refused([&] { (void)f.finish_sample(); }, "without a begun step");
+  const std::vector<inf::forward_item> step = {{blocks.data(), 2, 5, prompt.data() + 4, 1}};
+  refused([&] { f.begin_sample(step, rig.arena, params, one, {0}); }, "no begun step");
+  f.begin_sample(prefill, rig.arena, params, one, {-1});
+  refused([&] { f.begin_sample(step, rig.arena, params, one, {3}); }, "drew 1 tokens");
+  refused([&] { (void)f.forward_sample(step, rig.arena, params, one); }, "not finished");
+  f.begin_sample(step, rig.arena, params, one, {0}); // the prefill's draw feeds the step
+  const auto first = f.finish_sample();
+  const auto second = f.finish_sample();
+  ASSERT_EQ(first.size(), 1u);
+  ASSERT_EQ(second.size(), 1u);
+  // The same two steps synchronously, the first draw's token fed by hand.
+  std::vector<std::int32_t> fed = {first[0].token};
+  const std::vector<inf::forward_item> by_hand = {{blocks.data(), 2, 5, fed.data(), 1}};
+  EXPECT_EQ(f.forward_sample(prefill, rig.arena, params, one)[0].token, first[0].token);
+  const auto again = f.forward_sample(by_hand, rig.arena, params, one);
+  EXPECT_EQ(again[0].token, second[0].token);
+  EXPECT_EQ(again[0].logprob, second[0].logprob);
 }
 
 } // namespace

@@ -1388,6 +1388,8 @@ TEST(ProtocolConversions, GenerateStatsAndScoreRoundTrip) {
   st->set_graph_replays(13);
   st->set_graph_captures(14);
   st->set_peak_workspace_bytes(15);
+  st->set_decode_steps_ahead(16);
+  st->set_decode_rows_dropped(17);
   const auto r = protocol::from_proto(g).stats;
   EXPECT_EQ(r.prompt_tokens, 1u);
   EXPECT_EQ(r.computed_prompt_tokens, 2u);
@@ -1408,6 +1410,8 @@ TEST(ProtocolConversions, GenerateStatsAndScoreRoundTrip) {
   EXPECT_EQ(r.graph_replays, 13u);
   EXPECT_EQ(r.graph_captures, 14u);
   EXPECT_EQ(r.peak_workspace_bytes, 15u);
+  EXPECT_EQ(r.decode_steps_ahead, 16u);
+  EXPECT_EQ(r.decode_rows_dropped, 17u);
 
   const refit::score_request req{{{1, 2, 3}, {4, 5}}, 1};
   const pb::ScoreRequest p = protocol::to_proto(req);

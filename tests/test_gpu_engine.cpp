@@ -291,30 +291,41 @@ TEST(GpuEngine, CudaGraphReplayOfPersistentExpertsEqualsEagerAndIsDeterministic)
                                           {"REFIT_ROUTE_BUCKET_MAX_TOKENS", "256"}});
 }
 
-TEST(GpuEngine, GenerationWithContinuousBatchingIsBitwiseDeterministic) {
-  REQUIRE_GPU();
-  const auto cfg = refit::testing::tiny_model();
-  const auto w = engine_synthetic(cfg);
-  const auto layout = std::make_shared<const model::tp_layout>(cfg, 1);
-  const auto host = inf::scatter_residents(cfg, 1, 0, w.params, w.pointers());
+// A GPU engine over the tiny model's residents (the bf16 engine, CUDA graphs on).
+struct gpu_generator {
+  gpu_generator(std::uint32_t max_batch, std::uint32_t blocks, bool pipeline)
+    : cfg(refit::testing::tiny_model()), w(engine_synthetic(cfg)),
+      layout(std::make_shared<const model::tp_layout>(cfg, 1)) {
+    const auto host = inf::scatter_residents(cfg, 1, 0, w.params, w.pointers());
+    for (const auto& r : host.storage)
+      residents.push_back(mem.place(r));
+    inf::engine_options o;
+    o.block_size = 8;
+    o.compute_dtype = model::dtype::bfloat16;
+    o.max_batch = max_batch;
+    o.cuda_device = 0;
+    o.pipeline_decode = pipeline;
+    o.copy_kv_block = [](std::byte* dst, const std::byte* src, std::uint64_t n) {
+      std::vector<std::byte> bounce(n);
+      cuda::copy_to_host(0, bounce.data(), src, n);
+      cuda::copy_to_device(0, dst, bounce.data(), n);
+    };
+    const std::uint64_t kv_bytes = blocks * inf::engine_kv_geometry(cfg, 1, o).block_bytes();
+    engine = std::make_unique<inf::engine>(cfg, layout, 0, mem.alloc(kv_bytes), kv_bytes, o);
+  }
+  std::vector<inf::generation> generate(const inf::generate_input& in, inf::generate_stats* st) {
+    return engine->generate(residents, comm, in, 1, st);
+  }
+  model::model_config cfg;
+  refit::testing::engine_weights w;
+  std::shared_ptr<const model::tp_layout> layout;
   gpu_memory mem;
   std::vector<const std::byte*> residents;
-  for (const auto& r : host.storage)
-    residents.push_back(mem.place(r));
-  inf::engine_options o;
-  o.block_size = 8;
-  o.compute_dtype = model::dtype::bfloat16;
-  o.max_batch = 5;
-  o.cuda_device = 0;
-  o.copy_kv_block = [](std::byte* dst, const std::byte* src, std::uint64_t n) {
-    std::vector<std::byte> bounce(n);
-    cuda::copy_to_host(0, bounce.data(), src, n);
-    cuda::copy_to_device(0, dst, bounce.data(), n);
-  };
-  const std::uint64_t kv_bytes = 40 * inf::engine_kv_geometry(cfg, 1, o).block_bytes();
-  std::byte* arena = mem.alloc(kv_bytes);
-  inf::engine engine(cfg, layout, 0, arena, kv_bytes, o);
   inf::single_rank_comm comm;
+  std::unique_ptr<inf::engine> engine;
+};
+
+inf::generate_input twelve_prompts(std::uint64_t seed) {
   inf::generate_input in;
   for (std::int32_t i = 0; i < 12; ++i)
     in.prompts.push_back(engine_prompt(3 + static_cast<std::size_t>((i * 7) % 23), i));
@@ -322,19 +333,52 @@ TEST(GpuEngine, GenerationWithContinuousBatchingIsBitwiseDeterministic) {
   in.params.max_tokens = 16;
   in.params.temperature = 1.0f;
   in.params.top_p = 0.9f;
-  in.params.seed = 3;
+  in.params.seed = seed;
   in.params.stop_token_ids = {17};
+  return in;
+}
+
+TEST(GpuEngine, GenerationWithContinuousBatchingIsBitwiseDeterministic) {
+  REQUIRE_GPU();
+  gpu_generator g(5, 40, true);
+  const auto in = twelve_prompts(3);
   inf::generate_stats st;
-  const auto first = engine.generate(residents, comm, in, 1, &st);
-  engine.reset_prefix_cache();
-  const auto second = engine.generate(residents, comm, in, 1, nullptr);
+  const auto first = g.generate(in, &st);
+  g.engine->reset_prefix_cache();
+  const auto second = g.generate(in, nullptr);
   ASSERT_EQ(first.size(), second.size());
   for (std::size_t i = 0; i < first.size(); ++i)
     EXPECT_TRUE(first[i] == second[i]) << "sample " << i;
   EXPECT_GT(st.waves, 1u);
   EXPECT_LE(st.max_live_samples, 5u);
   EXPECT_GT(st.graph_replays, 0u);
-  EXPECT_EQ(engine.available_blocks(), 40u);
+  EXPECT_EQ(g.engine->available_blocks(), 40u);
+}
+
+// Pipelined decode on the GPU (step N + 1's graph replayed before step N's tokens reach the
+// host, its tokens fed from step N's draws on the device) draws what the synchronous schedule
+// draws: the same tokens, finish reasons and logprob bits, with stops landing while the next
+// step is in flight; all samples at once and in waves of 5.
+TEST(GpuEngine, PipelinedDecodeDrawsWhatTheSynchronousScheduleDraws) {
+  REQUIRE_GPU();
+  for (const std::uint32_t slots : {64u, 5u}) {
+    SCOPED_TRACE("max_batch " + std::to_string(slots));
+    gpu_generator sync(slots, 120, false), piped(slots, 120, true);
+    const auto in = twelve_prompts(5);
+    inf::generate_stats a_st, b_st;
+    const auto a = sync.generate(in, &a_st);
+    const auto b = piped.generate(in, &b_st);
+    ASSERT_EQ(a.size(), b.size());
+    for (std::size_t i = 0; i < a.size(); ++i)
+      EXPECT_TRUE(a[i] == b[i]) << "sample " << i;
+    EXPECT_EQ(a_st.decode_tokens, b_st.decode_tokens);
+    EXPECT_EQ(a_st.decode_steps_ahead, 0u);
+    EXPECT_GT(b_st.decode_steps_ahead, 0u);
+    EXPECT_GT(b_st.graph_replays, 0u);
+    if (slots == 64u)
+      EXPECT_GT(b_st.decode_rows_dropped, 0u) << "a stop must land with its next row in flight";
+    EXPECT_EQ(piped.engine->available_blocks(), 120u);
+  }
 }
 
 } // namespace

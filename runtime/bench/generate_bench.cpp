@@ -290,6 +290,8 @@ json generate_bench::batch_report(std::uint32_t batch, const std::vector<measure
                 {"decode_seconds", st.decode_seconds},
                 {"decode_steps", st.decode_steps},
                 {"decode_tokens", st.decode_tokens},
+                {"decode_steps_ahead", st.decode_steps_ahead},
+                {"decode_rows_dropped", st.decode_rows_dropped},
                 {"decode_kv_positions", st.decode_kv_positions},
                 {"decode_expert_loads", st.decode_expert_loads},
                 {"expert_loads_counted", st.expert_loads_counted},

@@ -71,6 +71,8 @@ inline pb::GenerateStats to_proto(const inference::generate_stats& st) {
   out.set_graph_replays(st.graph_replays);
   out.set_graph_captures(st.graph_captures);
   out.set_peak_workspace_bytes(st.peak_workspace_bytes);
+  out.set_decode_steps_ahead(st.decode_steps_ahead);
+  out.set_decode_rows_dropped(st.decode_rows_dropped);
   return out;
 }
 

@@ -195,6 +195,8 @@ generate_result from_proto(const pb::GenerateResult& x) {
   g.graph_replays = st.graph_replays();
   g.graph_captures = st.graph_captures();
   g.peak_workspace_bytes = st.peak_workspace_bytes();
+  g.decode_steps_ahead = st.decode_steps_ahead();
+  g.decode_rows_dropped = st.decode_rows_dropped();
   return out;
 }
 

@@ -52,6 +52,32 @@ std::vector<sampled_token> rank_forward::forward_sample(const std::vector<forwar
   return out;
 }
 
+void rank_forward::begin_sample(const std::vector<forward_item>& items, std::byte* kv_base,
+                                const sampling_config& params,
+                                const std::vector<sample_draw>& draws,
+                                const std::vector<std::int64_t>& feed) {
+  if (!pipelines_samples())
+    throw std::logic_error("begin_sample: this backend does not pipeline decode steps");
+  for (const sample_draw& d : draws)
+    if (d.row >= items.size())
+      throw std::out_of_range("begin_sample: draw row " + std::to_string(d.row) + " >= "
+                              + std::to_string(items.size()) + " items");
+  if (!feed.empty() && feed.size() != items.size())
+    throw std::invalid_argument("begin_sample: " + std::to_string(feed.size())
+                                + " feed entries for " + std::to_string(items.size()) + " items");
+  for (std::size_t i = 0; i < feed.size(); ++i)
+    if (feed[i] < -1 || (feed[i] >= 0 && items[i].count != 1))
+      throw std::invalid_argument("begin_sample: feed[" + std::to_string(i) + "] = "
+                                  + std::to_string(feed[i]) + " for an item of "
+                                  + std::to_string(items[i].count)
+                                  + " tokens (a draw index feeds one token; -1: none)");
+  std::vector<double> uniforms;
+  uniforms.reserve(draws.size());
+  for (const sample_draw& d : draws)
+    uniforms.push_back(sampling_uniform(params.seed, d.prompt, d.sample, d.step));
+  begin_sample_device(items, kv_base, params, draws, uniforms, feed);
+}
+
 rank_weights bind_weights(const model::model_config& cfg, const model::tp_layout& layout,
                           const std::vector<const std::byte*>& residents) {
   const auto& specs = layout.residents();

@@ -188,6 +188,23 @@ public:
                                             std::byte* kv_base, const sampling_config& params,
                                             const std::vector<sample_draw>& draws);
 
+  // Pipelined decode (when pipelines_samples()): begin_sample enqueues forward_sample's work
+  // and returns without waiting for it; finish_sample waits for the oldest begun step and
+  // returns its draws. So the host prepares step N + 1 while the device still runs step N:
+  // `feed` (empty, or one entry per item) names, for an item of one token, the draw of the
+  // step begun just before this one whose token it takes (on the device: the host does not
+  // know it yet; item.tokens[0] is then only a placeholder and must still be a vocabulary id);
+  // -1 keeps item.tokens. At most two steps are begun and not finished.
+  virtual bool pipelines_samples() const { return false; }
+  void begin_sample(const std::vector<forward_item>& items, std::byte* kv_base,
+                    const sampling_config& params, const std::vector<sample_draw>& draws,
+                    const std::vector<std::int64_t>& feed);
+  virtual std::vector<sampled_token> finish_sample() {
+    throw std::logic_error("rank_forward: this backend does not pipeline decode steps");
+  }
+  // Waits for every begun step and forgets its draws (a request that ends early, an error).
+  virtual void drop_samples() {}
+
   virtual forward_counters counters() const { return {}; }
   // Decode steps replayed from CUDA graphs so far (no device synchronization).
   virtual std::uint64_t graph_replays() const { return 0; }
@@ -203,6 +220,12 @@ protected:
                                                            const std::vector<double>&) {
     throw std::logic_error("rank_forward: this backend does not sample on the device");
   }
+  // Only called when pipelines_samples(), with begin_sample's arguments checked.
+  virtual void begin_sample_device(const std::vector<forward_item>&, std::byte*,
+                                   const sampling_config&, const std::vector<sample_draw>&,
+                                   const std::vector<double>&, const std::vector<std::int64_t>&) {
+    throw std::logic_error("rank_forward: this backend does not pipeline decode steps");
+  }
 };
 
 // Loads the LibTorch backend on first use. Throws std::runtime_error naming the paths tried
@@ -214,8 +237,8 @@ std::unique_ptr<rank_forward> make_rank_forward(const rank_forward_options& opti
 std::string loaded_backend_path();
 
 // ABI handshake between make_rank_forward and the module (5: tp_comm's device collectives,
-// which the module calls through the vtable).
-constexpr std::uint32_t backend_abi_version = 5;
+// which the module calls through the vtable; 6: pipelined decode, begin_sample / finish_sample).
+constexpr std::uint32_t backend_abi_version = 6;
 struct backend_entry {
   std::uint32_t abi_version;
   std::size_t options_size; // sizeof(rank_forward_options) in the module

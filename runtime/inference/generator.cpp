@@ -195,6 +195,8 @@ struct sequence {
   std::vector<std::int32_t> tokens; // prompt followed by generated tokens
   generation* result = nullptr;
   bool done = false;
+  std::uint32_t pending = 0;  // tokens of begun steps not landed yet (pipelined decode)
+  std::int64_t feed_row = -1; // its row in the step begun last, while pending
 };
 
 // Releases blocks, deepest first (a chain's leaves are evicted before its parents).
@@ -231,12 +233,11 @@ public:
       first_token_ = true;
     }
   }
-  // After a decode forward over `items`.
-  void decode_forward(const std::vector<forward_item>& items) {
+  // After a decode step whose `tokens` rows were kept, attending over `kv_positions` in all.
+  void decode_step(std::uint64_t tokens, std::uint64_t kv_positions) {
     ++st_.decode_steps;
-    st_.decode_tokens += items.size();
-    for (const auto& item : items)
-      st_.decode_kv_positions += std::uint64_t{item.position} + item.count;
+    st_.decode_tokens += tokens;
+    st_.decode_kv_positions += kv_positions;
   }
   void end_decode() { st_.decode_seconds += since(t0_); }
 
@@ -280,6 +281,21 @@ std::vector<generation> engine::generate(const std::vector<const std::byte*>& re
   std::vector<std::uint32_t> running(plan.prompts.size(), 0); // samples not finished per prompt
 
   live_set live(pool_);
+  // Pipelined decode: the samples of the rows of the step begun and not landed. If generate
+  // throws, that step is waited for and forgotten before the blocks go back.
+  const bool pipelined = options_.pipeline_decode && model.pipelines_samples();
+  std::vector<sequence*> flying;
+  struct flight_guard {
+    rank_forward& model;
+    const std::vector<sequence*>& flying;
+    ~flight_guard() {
+      if (!flying.empty())
+        try {
+          model.drop_samples();
+        } catch (...) { // already unwinding: the error that got here is the one to report
+        }
+    }
+  } guard{model, flying};
   std::uint32_t next_prompt = 0;
   std::uint64_t reserved = 0; // worst-case blocks of the admitted prompts still running
   std::uint64_t live_samples = 0;
@@ -297,6 +313,25 @@ std::vector<generation> engine::generate(const std::vector<const std::byte*>& re
       return;
     }
     s.done = true;
+  };
+  // The tokens of the step in flight reach the host: each row's sample takes its token, unless
+  // it stopped at the step before (its row ran on a token that ends it: dropped).
+  const auto land = [&] {
+    const std::vector<sampled_token> next = model.finish_sample();
+    std::uint64_t kept = 0, kv_positions = 0;
+    for (std::size_t i = 0; i < flying.size(); ++i) {
+      sequence& s = *flying[i];
+      --s.pending;
+      if (s.done) {
+        ++st.decode_rows_dropped;
+        continue;
+      }
+      kv_positions += s.tokens.size(); // the row's position + 1
+      ++kept;
+      accept(s, next[i]);
+    }
+    flying.clear();
+    meter.decode_step(kept, kv_positions);
   };
 
   for (;;) {
@@ -395,7 +430,7 @@ std::vector<generation> engine::generate(const std::vector<const std::byte*>& re
 
     // ---- retire finished samples: their blocks and slots free at once
     for (auto it = live.samples.begin(); it != live.samples.end();) {
-      if (!it->done) {
+      if (!it->done || it->pending > 0) {
         ++it;
         continue;
       }
@@ -410,28 +445,57 @@ std::vector<generation> engine::generate(const std::vector<const std::byte*>& re
         break;
       continue; // nothing running: the next admission succeeds (each prompt fits alone)
     }
-    // ---- decode: one batched step over every live sample
+    // ---- decode: one batched step over every live sample that still draws (pipelined: a
+    // sample's token in flight is its input, fed on the device, and its position one further)
     st.max_live_samples = std::max<std::uint64_t>(st.max_live_samples, live_samples);
+    meter.begin();
     std::vector<forward_item> items;
     std::vector<sample_draw> draws;
     std::vector<sequence*> order;
+    std::vector<std::int64_t> feed;
+    std::uint64_t kv_positions = 0;
     for (auto& s : live.samples) {
-      const std::uint32_t position = static_cast<std::uint32_t>(s.tokens.size() - 1);
+      const std::uint64_t drawn = s.result->token_ids.size() + s.pending;
+      if (s.done || drawn >= params.max_tokens) // stopped, or its last token is in flight
+        continue;
+      const auto position = static_cast<std::uint32_t>(s.tokens.size() - 1 + s.pending);
       while (s.blocks.size() * block_size <= position)
         s.blocks.push_back(pool_.allocate());
-      draws.push_back({static_cast<std::uint32_t>(items.size()), s.prompt, s.sample,
-                       s.result->token_ids.size()});
+      feed.push_back(s.pending > 0 ? s.feed_row : -1);
+      draws.push_back({static_cast<std::uint32_t>(items.size()), s.prompt, s.sample, drawn});
       items.push_back({s.blocks.data(), s.blocks.size(), position, &s.tokens.back(), 1});
+      kv_positions += std::uint64_t{position} + 1;
       order.push_back(&s);
     }
-    meter.begin();
+    if (items.empty()) { // every running sample's last token is in flight
+      land();
+      meter.end_decode();
+      continue;
+    }
     trace::span traced("decode_step", {{"batch", items.size()}});
     const std::uint64_t replays = model.graph_replays();
+    ++st.forward_passes;
+    if (pipelined && next_prompt == plan.prompts.size()) { // no admission can come between
+      model.begin_sample(items, arena_, params, draws, feed);
+      traced.arg("cuda_graph", model.graph_replays() != replays);
+      if (!flying.empty()) {
+        ++st.decode_steps_ahead;
+        land();
+      }
+      for (std::size_t i = 0; i < order.size(); ++i) {
+        ++order[i]->pending;
+        order[i]->feed_row = static_cast<std::int64_t>(i);
+      }
+      flying = std::move(order);
+      meter.end_decode();
+      continue;
+    }
+    if (!flying.empty()) // a step in flight only once every prompt is admitted
+      throw std::logic_error("generate: a synchronous decode step while one is in flight");
     const std::vector<sampled_token> next = model.forward_sample(items, arena_, params, draws);
     traced.arg("cuda_graph", model.graph_replays() != replays);
-    meter.decode_forward(items);
+    meter.decode_step(items.size(), kv_positions);
     meter.end_decode();
-    ++st.forward_passes;
     for (std::size_t i = 0; i < order.size(); ++i)
       accept(*order[i], next[i]);
   }

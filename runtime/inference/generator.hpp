@@ -82,6 +82,11 @@ struct generate_stats {
   double first_token_seconds = 0;  // generate() entered -> the first wave's first tokens drawn
   std::uint64_t decode_steps = 0;  // batched decode forward calls
   std::uint64_t decode_tokens = 0; // tokens the decode steps fed (one per active sample)
+  // Pipelined decode (engine_options::pipeline_decode): the steps begun while the one before
+  // was still in flight, and the rows dropped because their sample had stopped one step
+  // earlier (extra rows the steps ran; not in decode_tokens).
+  std::uint64_t decode_steps_ahead = 0;
+  std::uint64_t decode_rows_dropped = 0;
   // Sum over decode steps and their tokens of the positions attended (cached ones plus the
   // new one): the KV positions the steps read.
   std::uint64_t decode_kv_positions = 0;
@@ -138,6 +143,13 @@ struct engine_options {
   model::dtype compute_dtype = model::dtype::float32;
   std::uint32_t max_batch = 256; // samples decoding at once (continuous batching)
   bool cuda_graphs = true;
+  // Pipelined decode where the forward supports it (rank_forward::pipelines_samples: the bf16
+  // engine at TP 1) and every prompt has been admitted: step N + 1 is enqueued before step N's
+  // tokens reach the host, its input tokens taken from step N's draws on the device, so the
+  // host's bookkeeping and the next step's launch overlap the device's work. The tokens and
+  // log-probabilities are those of the synchronous schedule; a sample that stops on a stop
+  // token at step N still has a row in step N + 1, which is dropped.
+  bool pipeline_decode = true;
 };
 
 // The KV geometry an engine with `options` uses (element size from the compute dtype).

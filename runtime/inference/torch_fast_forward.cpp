@@ -110,6 +110,7 @@ fast_rank_forward::fast_rank_forward(const rank_forward_options& o)
   route_bucket_max_tokens_ = count_knob("REFIT_ROUTE_BUCKET_MAX_TOKENS", route_bucket_max_tokens_,
                                         "tokens", 256); // kernels::route_bucket_max_tokens
   fused_sampling_ = choice_knob("REFIT_FUSED_SAMPLING", {"0", "1"}, fused_sampling_);
+  pipeline_decode_ = choice_knob("REFIT_PIPELINE_DECODE", {"0", "1"}, pipeline_decode_);
   router_split_ = choice_knob("REFIT_ROUTER_SPLIT", {"0", "1"}, router_split_);
   logits_fp32_ = choice_knob("REFIT_LOGITS_FP32", {"0", "1"}, logits_fp32_);
   residual_fp32_ = choice_knob("REFIT_RESIDUAL_FP32", {"0", "1"}, residual_fp32_);
@@ -155,12 +156,11 @@ forward_counters fast_rank_forward::counters() const {
   return c;
 }
 
-std::vector<sampled_token> fast_rank_forward::forward_sample_device(const std::vector<forward_item>& items,
-                                                 std::byte* kv_base,
-                                                 const sampling_config& params,
-                                                 const std::vector<sample_draw>& draws,
-                                                 const std::vector<double>& uniforms) {
-  scope s(*this);
+at::Tensor fast_rank_forward::step_and_draws(const std::vector<forward_item>& items,
+                                             std::byte* kv_base, const sampling_config& params,
+                                             const std::vector<sample_draw>& draws,
+                                             const std::vector<double>& uniforms,
+                                             const std::vector<std::int64_t>* feed) {
   // The draws' logits rows and uniforms go up before the step, without waiting on the stream,
   // so the sampling kernels are queued behind the step: no host round trip between the last
   // layer and the draws.
@@ -171,16 +171,109 @@ std::vector<sampled_token> fast_rank_forward::forward_sample_device(const std::v
   const at::Tensor row_index = upload_async(rows.data(), at::kLong, rows.size());
   const at::Tensor u = upload_async(uniforms.data(), at::kDouble, uniforms.size());
   const at::Tensor logits = is_decode(items) && graphs_enabled_
-                              ? run_graph(items, kv_base)
-                              : run_eager(items, kv_base, logits_rows::last_token);
-  const at::Tensor packed =
-    sample_on_device_async(logits, params, row_index, u, fused_ && fused_sampling_ != 0);
+                              ? run_graph(items, kv_base, feed)
+                              : run_eager(items, kv_base, logits_rows::last_token, feed);
+  return sample_on_device_async(logits, params, row_index, u, fused_ && fused_sampling_ != 0);
+}
+
+std::vector<sampled_token> fast_rank_forward::forward_sample_device(const std::vector<forward_item>& items,
+                                                 std::byte* kv_base,
+                                                 const sampling_config& params,
+                                                 const std::vector<sample_draw>& draws,
+                                                 const std::vector<double>& uniforms) {
+  if (!begun_.empty())
+    throw std::logic_error("bf16 engine: forward_sample while " + std::to_string(begun_.size())
+                           + " begun steps are not finished (finish_sample or drop_samples)");
+  scope s(*this);
+  const at::Tensor packed = step_and_draws(items, kv_base, params, draws, uniforms, nullptr);
   wait_collectives(); // before the host copy synchronizes with the stream
   const device_samples drawn = take_samples(packed);
   std::vector<sampled_token> out(draws.size());
   for (std::size_t i = 0; i < draws.size(); ++i)
     out[i] = {drawn.tokens[i], drawn.logprobs[i]};
   return out;
+}
+
+void fast_rank_forward::begin_sample_device(const std::vector<forward_item>& items,
+                                            std::byte* kv_base, const sampling_config& params,
+                                            const std::vector<sample_draw>& draws,
+                                            const std::vector<double>& uniforms,
+                                            const std::vector<std::int64_t>& feed) {
+  if (begun_.size() >= 2)
+    throw std::logic_error("bf16 engine: begin_sample with two begun steps not finished");
+  const bool fed = std::any_of(feed.begin(), feed.end(), [](std::int64_t f) { return f >= 0; });
+  if (fed) {
+    if (!fed_from_.defined() || begun_.empty())
+      throw std::logic_error("bf16 engine: begin_sample feeds draws, but no begun step is "
+                             "waiting to be finished");
+    for (std::size_t i = 0; i < feed.size(); ++i)
+      if (feed[i] >= fed_from_.size(0))
+        throw std::out_of_range("begin_sample: feed[" + std::to_string(i) + "] = "
+                                + std::to_string(feed[i]) + ", but the step begun before drew "
+                                + std::to_string(fed_from_.size(0)) + " tokens");
+  }
+  scope s(*this);
+  const at::Tensor packed =
+    step_and_draws(items, kv_base, params, draws, uniforms, fed ? &feed : nullptr);
+  begun_step b;
+#if defined(REFIT_TORCH_CUDA)
+  if (packed.is_cuda()) {
+    b.host = at::empty(packed.sizes(),
+                       at::TensorOptions().dtype(packed.scalar_type()).pinned_memory(true));
+    b.host.copy_(packed, /*non_blocking=*/true);
+    b.landed.emplace();
+    b.landed->record(c10::cuda::getCurrentCUDAStream(device_.index()));
+  }
+#endif
+  if (!b.host.defined())
+    b.host = packed; // the CPU: computed already
+  fed_from_ = packed;
+  begun_.push_back(std::move(b));
+}
+
+std::vector<sampled_token> fast_rank_forward::finish_sample() {
+  if (begun_.empty())
+    throw std::logic_error("bf16 engine: finish_sample without a begun step");
+  begun_step b = std::move(begun_.front());
+  begun_.pop_front();
+  if (begun_.empty())
+    fed_from_ = at::Tensor();
+#if defined(REFIT_TORCH_CUDA)
+  if (b.landed)
+    b.landed->synchronize();
+#endif
+  const device_samples drawn = take_samples(b.host);
+  std::vector<sampled_token> out(drawn.tokens.size());
+  for (std::size_t i = 0; i < out.size(); ++i)
+    out[i] = {drawn.tokens[i], drawn.logprobs[i]};
+  return out;
+}
+
+void fast_rank_forward::drop_samples() {
+#if defined(REFIT_TORCH_CUDA)
+  for (auto& b : begun_)
+    if (b.landed)
+      b.landed->synchronize();
+#endif
+  begun_.clear();
+  fed_from_ = at::Tensor();
+}
+
+void fast_rank_forward::apply_feed(const at::Tensor& tokens, const std::vector<std::int64_t>& feed,
+                                   std::int64_t rows) const {
+  std::vector<std::int64_t> dst, src;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::int64_t f = feed[static_cast<std::size_t>(r) < feed.size() ? r : 0];
+    if (f >= 0) {
+      dst.push_back(r);
+      src.push_back(f);
+    }
+  }
+  if (dst.empty())
+    return;
+  const at::Tensor to = upload_async(dst.data(), at::kLong, dst.size());
+  const at::Tensor from = upload_async(src.data(), at::kLong, src.size());
+  tokens.index_copy_(0, to, fed_from_.select(1, 0).index_select(0, from).to(at::kLong));
 }
 
 void fast_rank_forward::bind() {
@@ -282,7 +375,7 @@ void fast_rank_forward::ensure_rope(std::int64_t positions) {
 }
 
 at::Tensor fast_rank_forward::run_eager(const std::vector<forward_item>& items, std::byte* kv_base,
-                     logits_rows rows) {
+                     logits_rows rows, const std::vector<std::int64_t>* feed) {
   validate(items);
   const bool decode = is_decode(items);
   std::int64_t width = 0;
@@ -296,6 +389,8 @@ at::Tensor fast_rank_forward::run_eager(const std::vector<forward_item>& items, 
     gather_inputs(items, static_cast<std::int64_t>(items.size()), decode ? width : 0);
   step_inputs in;
   in.tokens = upload(h.tokens);
+  if (feed != nullptr) // begin_sample checked: every fed item is one token, so item i is row i
+    apply_feed(in.tokens, *feed, static_cast<std::int64_t>(items.size()));
   in.positions = upload(h.positions);
   in.write_block = upload(h.write_block);
   in.write_slot = upload(h.write_slot);
@@ -319,12 +414,13 @@ at::Tensor fast_rank_forward::run_eager(const std::vector<forward_item>& items, 
   return model(in, kv_base, &items, upload(picked), decode);
 }
 
-at::Tensor fast_rank_forward::run_graph(const std::vector<forward_item>& items, std::byte* kv_base) {
+at::Tensor fast_rank_forward::run_graph(const std::vector<forward_item>& items, std::byte* kv_base,
+                                        const std::vector<std::int64_t>* feed) {
 #if defined(REFIT_TORCH_CUDA)
   const auto real = static_cast<std::int64_t>(items.size());
   const std::int64_t batch = bucket_of(real);
   if (batch == 0) // beyond the largest bucket: an eager step (which validates)
-    return run_eager(items, kv_base, logits_rows::last_token);
+    return run_eager(items, kv_base, logits_rows::last_token, feed);
   validate(items);
   std::int64_t blocks = 1;
   for (const auto& item : items)
@@ -341,7 +437,6 @@ at::Tensor fast_rank_forward::run_graph(const std::vector<forward_item>& items, 
   const bool fresh = !slot;
   if (fresh) {
     slot = std::make_unique<graph_entry>();
-    slot->host = at::empty({fields}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
     slot->device = at::empty({fields}, i64_);
     std::int64_t at_ = 0;
     const auto take = [&](std::int64_t count) {
@@ -361,13 +456,19 @@ at::Tensor fast_rank_forward::run_graph(const std::vector<forward_item>& items, 
   }
   if (slot->kv_base != kv_base)
     throw std::logic_error("bf16 engine: the KV arena moved under a captured graph");
-  std::int64_t* dst = slot->host.data_ptr<std::int64_t>();
+  // Staged in a pinned block of the caching host allocator, which keeps it until the copy has
+  // run: with pipelined steps the host fills the next step's inputs while this copy may still
+  // be queued.
+  at::Tensor staged = at::empty({fields}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  std::int64_t* dst = staged.data_ptr<std::int64_t>();
   for (const auto* part : {&h.tokens, &h.positions, &h.write_block, &h.write_slot, &h.src_row,
                            &h.table, &h.lengths}) {
     std::copy(part->begin(), part->end(), dst);
     dst += part->size();
   }
-  slot->device.copy_(slot->host, /*non_blocking=*/true);
+  slot->device.copy_(staged, /*non_blocking=*/true);
+  if (feed != nullptr) // before the warm-up and capture too: they read the same inputs
+    apply_feed(slot->in.tokens, *feed, batch);
   ++counters_.forwards;
   if (fresh) {
     // Warm-up outside the graph (kernel selection, workspaces; it writes the same K/V the
@@ -395,7 +496,7 @@ at::Tensor fast_rank_forward::run_graph(const std::vector<forward_item>& items, 
   ++counters_.graph_replays;
   return slot->logits.narrow(0, 0, real);
 #else
-  return run_eager(items, kv_base, logits_rows::last_token);
+  return run_eager(items, kv_base, logits_rows::last_token, feed);
 #endif
 }
 

@@ -37,6 +37,7 @@
 #include <c10/core/InferenceMode.h>
 
 #if defined(REFIT_TORCH_CUDA)
+#include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -45,6 +46,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <deque>
 #include <limits>
 #include <map>
 #include <memory>
@@ -109,6 +111,13 @@ public:
 
   std::uint64_t graph_replays() const override { return counters_.graph_replays; }
 
+  // Pipelined decode at TP 1 (on a GPU the step's draws come back through pinned memory and an
+  // event; on the CPU begin_sample runs the step to the end and finish_sample only hands it
+  // over, so the protocol is the same and CI exercises it).
+  bool pipelines_samples() const override { return o_.tp == 1 && pipeline_decode_ != 0; }
+  std::vector<sampled_token> finish_sample() override;
+  void drop_samples() override;
+
 protected:
   bool samples_on_device() const override { return true; }
 
@@ -117,6 +126,10 @@ protected:
                                                    const sampling_config& params,
                                                    const std::vector<sample_draw>& draws,
                                                    const std::vector<double>& uniforms) override;
+  void begin_sample_device(const std::vector<forward_item>& items, std::byte* kv_base,
+                           const sampling_config& params, const std::vector<sample_draw>& draws,
+                           const std::vector<double>& uniforms,
+                           const std::vector<std::int64_t>& feed) override;
 
 private:
   // Inference mode, the device, the engine's stream and the threads, for one call.
@@ -296,13 +309,26 @@ private:
   void* stream() const { return c10::cuda::getCurrentCUDAStream(device_.index()).stream(); }
 #endif
 
+  // `feed` (run_graph too): begin_sample's, or null.
   at::Tensor run_eager(const std::vector<forward_item>& items, std::byte* kv_base,
-                       logits_rows rows);
+                       logits_rows rows, const std::vector<std::int64_t>* feed = nullptr);
+
+  // The logits of a step and its draws enqueued: packed [D, 2] double (token, logprob) on the
+  // device (sample_on_device_async).
+  at::Tensor step_and_draws(const std::vector<forward_item>& items, std::byte* kv_base,
+                            const sampling_config& params, const std::vector<sample_draw>& draws,
+                            const std::vector<double>& uniforms,
+                            const std::vector<std::int64_t>* feed);
+
+  // Decode rows [0, rows) of `tokens` (int64, on the device) whose feed entry is a draw take
+  // that draw's token of the step begun last (fed_from_); rows past the feed (a graph's
+  // padding, which repeats row 0) take row 0's.
+  void apply_feed(const at::Tensor& tokens, const std::vector<std::int64_t>& feed,
+                  std::int64_t rows) const;
 
 #if defined(REFIT_TORCH_CUDA)
   struct graph_entry {
     at::cuda::CUDAGraph graph;
-    at::Tensor host;   // pinned int64 staging of the inputs
     at::Tensor device; // the same on the device; `in` are views of it
     step_inputs in;
     at::Tensor picked;
@@ -319,7 +345,18 @@ private:
   }
 #endif
 
-  at::Tensor run_graph(const std::vector<forward_item>& items, std::byte* kv_base);
+  at::Tensor run_graph(const std::vector<forward_item>& items, std::byte* kv_base,
+                       const std::vector<std::int64_t>* feed = nullptr);
+
+  // A begun step (begin_sample): its draws on their way to the host.
+  struct begun_step {
+    at::Tensor host; // [D, 2] double (token, logprob); pinned on a GPU
+#if defined(REFIT_TORCH_CUDA)
+    std::optional<at::cuda::CUDAEvent> landed; // recorded after the copy to `host`
+#endif
+  };
+  std::deque<begun_step> begun_;
+  at::Tensor fed_from_; // the draws (packed, on the device) of the step begun last
 
   const rank_forward_options o_;
   const model::model_config& cfg_;
@@ -399,6 +436,8 @@ private:
   // Decode attention's splits of each sequence (REFIT_ATTENTION_SPLITS, at most 16); 0: chosen
   // from the batch (decode_attention_splits).
   std::int64_t attention_splits_ = 0;
+  // Pipelined decode steps (REFIT_PIPELINE_DECODE, 0 turns it off for comparison).
+  std::int64_t pipeline_decode_ = 1;
 #if defined(REFIT_TORCH_CUDA)
   std::optional<c10::cuda::CUDAStream> stream_;
   std::int64_t baseline_bytes_ = 0;
