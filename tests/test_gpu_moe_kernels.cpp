@@ -14,6 +14,8 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <utility>
 #include <vector>
 
@@ -86,9 +88,14 @@ sorted_copies host_bucket(const std::vector<i64>& ids, int top_k, int experts) {
 }
 
 
+// Shapes: one round of copies over 64 experts; three rounds (2,400 copies) over 128 (the
+// per-warp tally); 200 experts (past the tally: the warps claim in order).
 TEST(GpuMoeKernels, BucketSortsCopiesByExpertStablyAndListsTheNonEmptyExperts) {
   REQUIRE_GPUS(1);
-  const int tokens = 37, top_k = 4, experts = 64;
+  for (const auto& [tokens, top_k, experts] :
+       {std::tuple{37, 4, 64}, std::tuple{300, 8, 128}, std::tuple{100, 4, 200}}) {
+  SCOPED_TRACE(std::to_string(tokens) + " tokens, top " + std::to_string(top_k) + " of "
+               + std::to_string(experts));
   const auto ids = skewed_routing(tokens, top_k, experts, 3);
   const int copies = tokens * top_k;
   device_vec<i64> d_ids(ids);
@@ -107,6 +114,7 @@ TEST(GpuMoeKernels, BucketSortsCopiesByExpertStablyAndListsTheNonEmptyExperts) {
   active.resize(static_cast<std::size_t>(used));
   EXPECT_EQ(active, want.active);
   EXPECT_EQ(d.loads.host(), (std::vector<i64>{5 + used, 7 + used}));
+  }
 }
 
 // The expert ids by score, highest first, equal scores in id order (the routing's tie rule).
@@ -121,9 +129,13 @@ std::vector<int> ranked(const std::vector<double>& score) {
 
 // Routing: softmax over the experts, the top k by probability with ties to the lower id,
 // renormalized or not, against the host; the logits are bf16 with whole runs of equal values.
+// Top 6 of 40 (each choice kept in its lane) and top 40 of 80 (past 32, stored and divided in
+// place).
 TEST(GpuMoeKernels, RouteTakesTheTopKWithTiesToTheLowerIdAsTheHostDoes) {
   REQUIRE_GPUS(1);
-  const int tokens = 5, experts = 40, top_k = 6;
+  for (const auto& [experts, top_k] : {std::pair{40, 6}, std::pair{80, 40}}) {
+  SCOPED_TRACE("top " + std::to_string(top_k) + " of " + std::to_string(experts));
+  const int tokens = 5;
   std::vector<std::uint16_t> logits;
   for (int t = 0; t < tokens; ++t)
     for (int e = 0; e < experts; ++e) // token t: values repeat every 3 + t experts
@@ -156,6 +168,7 @@ TEST(GpuMoeKernels, RouteTakesTheTopKWithTiesToTheLowerIdAsTheHostDoes) {
         EXPECT_NEAR(got_w[at], prob, 1e-5) << "token " << t << " choice " << j;
       }
     }
+  }
   }
 }
 

@@ -13,6 +13,7 @@ namespace {
 constexpr int max_experts_per_lane = 8; // experts <= 256
 constexpr int max_bucket_copies = 4096;
 constexpr int max_bucket_experts = 1024;
+constexpr int tally_experts = max_bucket_experts * 4 / 32; // one byte per (warp, expert): 128
 
 // ----------------------------------------------------------------------- routing
 
@@ -41,7 +42,14 @@ __device__ void route_token(Logit logit, int token, int experts, int top_k, bool
   for (int j = 0; j < max_experts_per_lane; ++j)
     if (lane + 32 * j < experts)
       v[j] /= sum;
+  // Choice k stays in lane k's registers (k < 32) and the lanes store them together at the
+  // end, renormalized: no stores read back. Past 32 choices lane 0 stores them and divides
+  // them in place afterwards. The same divisions either way: the same bits.
   float total = 0.0f;
+  float mine = 0.0f;
+  int mine_e = 0;
+  i64* const token_ids = ids + static_cast<i64>(token) * top_k;
+  float* const token_weights = weights + static_cast<i64>(token) * top_k;
   for (int k = 0; k < top_k; ++k) {
     float best = -1.0f;
     int best_e = 1 << 30;
@@ -56,14 +64,24 @@ __device__ void route_token(Logit logit, int token, int experts, int top_k, bool
     if ((best_e & 31) == lane)
       v[best_e >> 5] = -1.0f; // taken
     total += best;
-    if (lane == 0) {
-      ids[static_cast<i64>(token) * top_k + k] = best_e;
-      weights[static_cast<i64>(token) * top_k + k] = best;
+    if (k < 32 && lane == k) {
+      mine = best;
+      mine_e = best_e;
+    } else if (k >= 32 && lane == 0) {
+      token_ids[k] = best_e;
+      token_weights[k] = best;
     }
   }
-  if (renormalize && lane == 0)
-    for (int k = 0; k < top_k; ++k)
-      weights[static_cast<i64>(token) * top_k + k] /= total;
+  if (lane < top_k) {
+    token_ids[lane] = mine_e;
+    token_weights[lane] = renormalize ? mine / total : mine;
+  }
+  if (renormalize && top_k > 32) {
+    __syncwarp(); // lane 0's stores above, read back by lane 0 only
+    if (lane == 0)
+      for (int k = 32; k < top_k; ++k)
+        token_weights[k] /= total;
+  }
 }
 
 __global__ void route_kernel(const bf16* __restrict__ logits, int n, int experts, int top_k,
@@ -102,8 +120,10 @@ __global__ void route_f32_kernel(const float* __restrict__ logits, const float* 
 // One block of 1024 threads: counts by shared atomics, exclusive scans over the experts of
 // the counts and of the non-empty flags (warp scans + a scan of the warp totals), then the
 // copies are placed 1024 at a time, one per thread: the lanes of a warp that share an expert
-// find each other (match_any) and the warps, in order, claim their runs of each expert's
-// next positions (stable: flat index order within an expert; deterministic).
+// find each other (match_any); up to 128 experts a table of each warp's count per expert gives
+// a copy the place after the same expert's copies of the warps before (past 128 the warps
+// claim their runs in order, a barrier each). Stable: flat index order within an expert;
+// deterministic.
 __device__ void bucket_block(const i64* __restrict__ ids, int copies, int top_k, int experts,
                              const bucket_out& out) {
   __shared__ int count[max_bucket_experts];
@@ -111,6 +131,9 @@ __device__ void bucket_block(const i64* __restrict__ ids, int copies, int top_k,
   __shared__ short id[max_bucket_copies];
   __shared__ int warp_total[32];
   __shared__ int warp_used[32];
+  // Per round, the copies of each expert in each warp (experts <= tally_experts).
+  __shared__ unsigned tally_words[max_bucket_experts];
+  unsigned char* const tally = reinterpret_cast<unsigned char*>(tally_words);
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   // The running expert loads, read now so their latency overlaps the sort (this kernel is
@@ -163,15 +186,41 @@ __device__ void bucket_block(const i64* __restrict__ ids, int copies, int top_k,
     const int before = __popc(peers & ((1u << lane) - 1u)); // same-expert lanes before this one
     const int leader = __ffs(peers) - 1;
     const int warps = (min(copies - base, static_cast<int>(blockDim.x)) + 31) >> 5;
-    int claimed = 0;
-    for (int w = 0; w < warps; ++w) { // the warps claim in order: stable across warps
-      if (warp == w && live && before == 0) {
-        claimed = start[ex];
-        start[ex] = claimed + __popc(peers);
-      }
+    int r = 0;
+    if (experts <= tally_experts) {
+      // Each warp's count of each expert in a table (one barrier), a copy's place is its
+      // expert's start + the counts of the warps before its own + its rank in its warp; then
+      // each expert's start moves past the round: four barriers a round instead of one a warp.
+      tally_words[threadIdx.x] = 0u; // blockDim.x == the table's words
       __syncthreads();
+      if (live && before == 0)
+        tally[warp * tally_experts + ex] = static_cast<unsigned char>(__popc(peers));
+      __syncthreads();
+      if (live) {
+        int prior = start[ex];
+        for (int w = 0; w < warp; ++w)
+          prior += tally[w * tally_experts + ex];
+        r = prior + before;
+      }
+      __syncthreads(); // every start read
+      if (e < experts) {
+        int round = 0;
+        for (int w = 0; w < warps; ++w)
+          round += tally[w * tally_experts + e];
+        start[e] += round;
+      }
+      __syncthreads(); // the starts moved and the table read, before the next round clears it
+    } else {
+      int claimed = 0;
+      for (int w = 0; w < warps; ++w) { // the warps claim in order: stable across warps
+        if (warp == w && live && before == 0) {
+          claimed = start[ex];
+          start[ex] = claimed + __popc(peers);
+        }
+        __syncthreads();
+      }
+      r = __shfl_sync(0xffffffffu, claimed, leader) + before;
     }
-    const int r = __shfl_sync(0xffffffffu, claimed, leader) + before;
     if (live) {
       out.order[r] = f;
       out.src_token[r] = f / top_k;
