@@ -408,6 +408,7 @@ TEST(Bf16Engine, ExpertMmaKnobsOutsideTheirRangesAreRefusedNamingTheVariable) {
                      " is not a count of rows", {"0", "128"});
   expect_engine_knob("REFIT_ATTENTION_SPLITS", {"17", "auto", "-2"}, " is not a count of splits",
                      {"0", "1", "16"});
+  expect_engine_knob("REFIT_PIPELINE_DECODE", {"2", "on"}, " is not 0 or 1", {"0", "1"});
 }
 
 // The expert-GEMV tuning knob (REFIT_EXPERT_GEMV_MAX_COPIES) is a count of routed copies.
