@@ -27,21 +27,36 @@ kv_geometry kv_geometry::of(const model::model_config& cfg, std::uint32_t tp,
   return g;
 }
 
+namespace {
+
+// Every draw reads a row of the step (`call` names the entry point in the error).
+void check_draw_rows(const char* call, const std::vector<forward_item>& items,
+                     const std::vector<sample_draw>& draws) {
+  for (const sample_draw& d : draws)
+    if (d.row >= items.size())
+      throw std::out_of_range(std::string(call) + ": draw row " + std::to_string(d.row) + " >= "
+                              + std::to_string(items.size()) + " items");
+}
+
+// The counter-based uniform of each draw (sampling_uniform), for a device that samples.
+std::vector<double> draw_uniforms(const sampling_config& params,
+                                  const std::vector<sample_draw>& draws) {
+  std::vector<double> uniforms;
+  uniforms.reserve(draws.size());
+  for (const sample_draw& d : draws)
+    uniforms.push_back(sampling_uniform(params.seed, d.prompt, d.sample, d.step));
+  return uniforms;
+}
+
+} // namespace
+
 std::vector<sampled_token> rank_forward::forward_sample(const std::vector<forward_item>& items,
                                                         std::byte* kv_base,
                                                         const sampling_config& params,
                                                         const std::vector<sample_draw>& draws) {
-  for (const sample_draw& d : draws)
-    if (d.row >= items.size())
-      throw std::out_of_range("forward_sample: draw row " + std::to_string(d.row) + " >= "
-                              + std::to_string(items.size()) + " items");
-  if (samples_on_device()) {
-    std::vector<double> uniforms;
-    uniforms.reserve(draws.size());
-    for (const sample_draw& d : draws)
-      uniforms.push_back(sampling_uniform(params.seed, d.prompt, d.sample, d.step));
-    return forward_sample_device(items, kv_base, params, draws, uniforms);
-  }
+  check_draw_rows("forward_sample", items, draws);
+  if (samples_on_device())
+    return forward_sample_device(items, kv_base, params, draws, draw_uniforms(params, draws));
   const std::vector<float> logits = forward(items, kv_base, logits_rows::last_token);
   const std::size_t vocab = items.empty() ? 0 : logits.size() / items.size();
   std::vector<sampled_token> out;
@@ -58,10 +73,7 @@ void rank_forward::begin_sample(const std::vector<forward_item>& items, std::byt
                                 const std::vector<std::int64_t>& feed) {
   if (!pipelines_samples())
     throw std::logic_error("begin_sample: this backend does not pipeline decode steps");
-  for (const sample_draw& d : draws)
-    if (d.row >= items.size())
-      throw std::out_of_range("begin_sample: draw row " + std::to_string(d.row) + " >= "
-                              + std::to_string(items.size()) + " items");
+  check_draw_rows("begin_sample", items, draws);
   if (!feed.empty() && feed.size() != items.size())
     throw std::invalid_argument("begin_sample: " + std::to_string(feed.size())
                                 + " feed entries for " + std::to_string(items.size()) + " items");
@@ -71,11 +83,7 @@ void rank_forward::begin_sample(const std::vector<forward_item>& items, std::byt
                                   + std::to_string(feed[i]) + " for an item of "
                                   + std::to_string(items[i].count)
                                   + " tokens (a draw index feeds one token; -1: none)");
-  std::vector<double> uniforms;
-  uniforms.reserve(draws.size());
-  for (const sample_draw& d : draws)
-    uniforms.push_back(sampling_uniform(params.seed, d.prompt, d.sample, d.step));
-  begin_sample_device(items, kv_base, params, draws, uniforms, feed);
+  begin_sample_device(items, kv_base, params, draws, draw_uniforms(params, draws), feed);
 }
 
 rank_weights bind_weights(const model::model_config& cfg, const model::tp_layout& layout,

@@ -176,6 +176,17 @@ at::Tensor fast_rank_forward::step_and_draws(const std::vector<forward_item>& it
   return sample_on_device_async(logits, params, row_index, u, fused_ && fused_sampling_ != 0);
 }
 
+namespace {
+
+std::vector<sampled_token> sampled(const device_samples& drawn) {
+  std::vector<sampled_token> out(drawn.tokens.size());
+  for (std::size_t i = 0; i < out.size(); ++i)
+    out[i] = {drawn.tokens[i], drawn.logprobs[i]};
+  return out;
+}
+
+} // namespace
+
 std::vector<sampled_token> fast_rank_forward::forward_sample_device(const std::vector<forward_item>& items,
                                                  std::byte* kv_base,
                                                  const sampling_config& params,
@@ -187,11 +198,7 @@ std::vector<sampled_token> fast_rank_forward::forward_sample_device(const std::v
   scope s(*this);
   const at::Tensor packed = step_and_draws(items, kv_base, params, draws, uniforms, nullptr);
   wait_collectives(); // before the host copy synchronizes with the stream
-  const device_samples drawn = take_samples(packed);
-  std::vector<sampled_token> out(draws.size());
-  for (std::size_t i = 0; i < draws.size(); ++i)
-    out[i] = {drawn.tokens[i], drawn.logprobs[i]};
-  return out;
+  return sampled(take_samples(packed));
 }
 
 void fast_rank_forward::begin_sample_device(const std::vector<forward_item>& items,
@@ -203,19 +210,21 @@ void fast_rank_forward::begin_sample_device(const std::vector<forward_item>& ite
     throw std::logic_error("bf16 engine: begin_sample with two begun steps not finished");
   const bool fed = std::any_of(feed.begin(), feed.end(), [](std::int64_t f) { return f >= 0; });
   if (fed) {
-    if (!fed_from_.defined() || begun_.empty())
+    if (begun_.empty())
       throw std::logic_error("bf16 engine: begin_sample feeds draws, but no begun step is "
                              "waiting to be finished");
+    const std::int64_t before = begun_.back().drawn.size(0);
     for (std::size_t i = 0; i < feed.size(); ++i)
-      if (feed[i] >= fed_from_.size(0))
+      if (feed[i] >= before)
         throw std::out_of_range("begin_sample: feed[" + std::to_string(i) + "] = "
                                 + std::to_string(feed[i]) + ", but the step begun before drew "
-                                + std::to_string(fed_from_.size(0)) + " tokens");
+                                + std::to_string(before) + " tokens");
   }
   scope s(*this);
   const at::Tensor packed =
     step_and_draws(items, kv_base, params, draws, uniforms, fed ? &feed : nullptr);
   begun_step b;
+  b.drawn = packed;
 #if defined(REFIT_TORCH_CUDA)
   if (packed.is_cuda()) {
     b.host = at::empty(packed.sizes(),
@@ -227,7 +236,6 @@ void fast_rank_forward::begin_sample_device(const std::vector<forward_item>& ite
 #endif
   if (!b.host.defined())
     b.host = packed; // the CPU: computed already
-  fed_from_ = packed;
   begun_.push_back(std::move(b));
 }
 
@@ -236,17 +244,11 @@ std::vector<sampled_token> fast_rank_forward::finish_sample() {
     throw std::logic_error("bf16 engine: finish_sample without a begun step");
   begun_step b = std::move(begun_.front());
   begun_.pop_front();
-  if (begun_.empty())
-    fed_from_ = at::Tensor();
 #if defined(REFIT_TORCH_CUDA)
   if (b.landed)
     b.landed->synchronize();
 #endif
-  const device_samples drawn = take_samples(b.host);
-  std::vector<sampled_token> out(drawn.tokens.size());
-  for (std::size_t i = 0; i < out.size(); ++i)
-    out[i] = {drawn.tokens[i], drawn.logprobs[i]};
-  return out;
+  return sampled(take_samples(b.host));
 }
 
 void fast_rank_forward::drop_samples() {
@@ -256,7 +258,6 @@ void fast_rank_forward::drop_samples() {
       b.landed->synchronize();
 #endif
   begun_.clear();
-  fed_from_ = at::Tensor();
 }
 
 void fast_rank_forward::apply_feed(const at::Tensor& tokens, const std::vector<std::int64_t>& feed,
@@ -273,7 +274,7 @@ void fast_rank_forward::apply_feed(const at::Tensor& tokens, const std::vector<s
     return;
   const at::Tensor to = upload_async(dst.data(), at::kLong, dst.size());
   const at::Tensor from = upload_async(src.data(), at::kLong, src.size());
-  tokens.index_copy_(0, to, fed_from_.select(1, 0).index_select(0, from).to(at::kLong));
+  tokens.index_copy_(0, to, begun_.back().drawn.select(1, 0).index_select(0, from).to(at::kLong));
 }
 
 void fast_rank_forward::bind() {

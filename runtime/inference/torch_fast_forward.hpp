@@ -321,7 +321,7 @@ private:
                             const std::vector<std::int64_t>* feed);
 
   // Decode rows [0, rows) of `tokens` (int64, on the device) whose feed entry is a draw take
-  // that draw's token of the step begun last (fed_from_); rows past the feed (a graph's
+  // that draw's token of the step begun last (begun_.back()); rows past the feed (a graph's
   // padding, which repeats row 0) take row 0's.
   void apply_feed(const at::Tensor& tokens, const std::vector<std::int64_t>& feed,
                   std::int64_t rows) const;
@@ -348,15 +348,16 @@ private:
   at::Tensor run_graph(const std::vector<forward_item>& items, std::byte* kv_base,
                        const std::vector<std::int64_t>* feed = nullptr);
 
-  // A begun step (begin_sample): its draws on their way to the host.
+  // A begun step (begin_sample): its draws on the device (the next step's feed, while it is
+  // the last begun) and on their way to the host.
   struct begun_step {
-    at::Tensor host; // [D, 2] double (token, logprob); pinned on a GPU
+    at::Tensor drawn; // [D, 2] double (token, logprob) on the step's device
+    at::Tensor host;  // the same on the host; pinned on a GPU
 #if defined(REFIT_TORCH_CUDA)
     std::optional<at::cuda::CUDAEvent> landed; // recorded after the copy to `host`
 #endif
   };
   std::deque<begun_step> begun_;
-  at::Tensor fed_from_; // the draws (packed, on the device) of the step begun last
 
   const rank_forward_options o_;
   const model::model_config& cfg_;
