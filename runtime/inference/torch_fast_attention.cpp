@@ -166,8 +166,7 @@ at::Tensor fast_rank_forward::fused_decode_layer_attention(const at::Tensor& qkv
                             splits > 1 ? partial.data_ptr<float>() : nullptr, splits,
                             static_cast<int>(n), static_cast<int>(q_heads_),
                             static_cast<int>(kv_heads_), static_cast<int>(head_dim_), stream(),
-                            static_cast<int>(attention_mma_), fuse_qk ? &qk : nullptr,
-                            attention_mma_ == 2 && attention_early_ != 0);
+                            static_cast<int>(attention_mma_), fuse_qk ? &qk : nullptr);
   return out;
 #else
   (void)qkv, (void)w, (void)in, (void)kv_base, (void)layer;

@@ -122,11 +122,6 @@ fast_rank_forward::fast_rank_forward(const rank_forward_options& o)
   dense_mma_max_rows_ = count_knob("REFIT_DENSE_MMA_MAX_ROWS", dense_mma_max_rows_, "rows", 64);
   router_mma_max_rows_ =
     count_knob("REFIT_ROUTER_MMA_MAX_ROWS", router_mma_max_rows_, "rows", 128); // dense_mma_max_rows
-  attention_early_ = choice_knob("REFIT_ATTENTION_EARLY", {"0", "1"}, attention_early_);
-  skinny_max_rows_ = count_knob("REFIT_SKINNY_MAX_ROWS", skinny_max_rows_, "rows", 64); // skinny_max_rows
-  skinny_ksplit_ = choice_knob("REFIT_SKINNY_KSPLIT", {"0", "1", "2", "4", "8", "16"}, skinny_ksplit_);
-  skinny_router_ = choice_knob("REFIT_SKINNY_ROUTER", {"0", "1"}, skinny_router_);
-  allocate_skinny();
   [[maybe_unused]] const bool programmatic = choice_knob("REFIT_PDL", {"0", "1"}, 1) == 1;
 #if defined(REFIT_TORCH_CUDA)
   if (device_.is_cuda())

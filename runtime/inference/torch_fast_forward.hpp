@@ -225,12 +225,6 @@ private:
   // does not fit, no CUDA).
   at::Tensor dense_mma(const at::Tensor& x, const at::Tensor& w, bool f32,
                        std::int64_t max_rows = -1) const;
-  // kernels::skinny_gemm for x [m, k] . w [n, k]^T (+ x_lo . w^T) when min_rows < m <=
-  // skinny_max_rows_ and the shape fits, bf16 or fp32 out; undefined where it does not apply.
-  at::Tensor skinny(const at::Tensor& x, const at::Tensor& w, bool f32, std::int64_t min_rows,
-                    const at::Tensor& x_lo = {}) const;
-  // Its k-split workspace and tile counters, sized for the qkv, o_proj and router shapes.
-  void allocate_skinny();
 #if defined(REFIT_TORCH_CUDA)
   // expert_mma_args with the knobs' staging set (chunks, L2 policy, stages, early start): what
   // the expert projections and the dense mode share.
@@ -440,16 +434,6 @@ private:
   // 18.31 / 18.20, mode 2 with its own q/k 18.29 / 18.17; batch 1, 16 and 256 within noise.
   std::int64_t attention_mma_ = 2;
   std::int64_t attention_fused_qk_ = 1;
-  // Mode 2 copies each warp's first K/V tile before waiting for the kernel before
-  // (REFIT_ATTENTION_EARLY=0|1; kernels::decode_attention's `early`).
-  std::int64_t attention_early_ = 1;
-  // Rows above the dense mode's (dense_mma_max_rows_; the router: router_mma_max_rows_ of its
-  // 2n) up to which qkv, o_proj and the router take kernels::skinny_gemm instead of cuBLAS
-  // (REFIT_SKINNY_MAX_ROWS, at most 64; 0: off), at k-split REFIT_SKINNY_KSPLIT (0: chosen).
-  std::int64_t skinny_max_rows_ = 64;
-  std::int64_t skinny_ksplit_ = 0;
-  std::int64_t skinny_router_ = 1; // the router too (REFIT_SKINNY_ROUTER=0|1)
-  at::Tensor skinny_workspace_, skinny_counters_;
   // Decode attention's splits of each sequence (REFIT_ATTENTION_SPLITS, at most 16); 0: chosen
   // from the batch (decode_attention_splits).
   std::int64_t attention_splits_ = 0;

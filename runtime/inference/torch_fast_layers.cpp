@@ -163,14 +163,8 @@ at::Tensor fast_rank_forward::experts(const layer_tensors& w, const at::Tensor& 
   if (router_in.defined() && router_in.scalar_type() == at::kFloat) {
     router_logits = at::matmul(router_in, w.router.to(at::kFloat).t());
   } else if (router_in.defined()) {
-    // Both parts into one set of sums (skinny_gemm), else [2n, e] and the parts added later.
-    if (skinny_router_ != 0)
-      router_logits = skinny(router_in.narrow(0, 0, n), w.router, true, router_mma_max_rows_ / 2,
-                             router_in.narrow(0, n, n));
-    if (!router_logits.defined()) {
-      router_logits = linear_f32(router_in, w.router, router_mma_max_rows_).contiguous();
-      two_parts = true;
-    }
+    router_logits = linear_f32(router_in, w.router, router_mma_max_rows_).contiguous();
+    two_parts = true;
   } else {
     router_logits = linear(h, w.router);
   }

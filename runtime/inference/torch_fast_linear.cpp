@@ -46,62 +46,6 @@ at::Tensor fast_rank_forward::dense_mma(const at::Tensor& x, const at::Tensor& w
   return {};
 }
 
-void fast_rank_forward::allocate_skinny() {
-#if defined(REFIT_TORCH_CUDA)
-  if (!fused_ || skinny_max_rows_ == 0 || layers_.empty())
-    return;
-  std::size_t floats = 0;
-  std::int64_t tiles = 0;
-  const layer_tensors& l = layers_.front();
-  for (const at::Tensor* w : {&l.qkv, &l.o, &l.router}) {
-    const auto n = static_cast<int>(w->size(0)), k = static_cast<int>(w->size(1));
-    const int ks = kernels::skinny_gemm_ksplit(1, n, k, static_cast<int>(skinny_ksplit_));
-    floats = std::max(floats, kernels::skinny_gemm_workspace_floats(n, ks));
-    tiles = std::max<std::int64_t>(tiles, n / 64);
-  }
-  if (floats > 0) {
-    skinny_workspace_ = at::empty({static_cast<std::int64_t>(floats)}, f32_);
-    skinny_counters_ = at::zeros({tiles}, i64_.dtype(at::kInt));
-  }
-#endif
-}
-
-at::Tensor fast_rank_forward::skinny(const at::Tensor& x, const at::Tensor& w, bool f32,
-                                     std::int64_t min_rows, const at::Tensor& x_lo) const {
-#if defined(REFIT_TORCH_CUDA)
-  if (!fused_ || x.dim() != 2 || w.dim() != 2 || x.size(1) != w.size(1) || x.size(0) <= min_rows
-      || x.size(0) > skinny_max_rows_ || !streamable(x) || !streamable(w)
-      || (x_lo.defined() && (!streamable(x_lo) || x_lo.sizes() != x.sizes())))
-    return {};
-  kernels::skinny_gemm_args a;
-  a.m = static_cast<int>(x.size(0));
-  a.n = static_cast<int>(w.size(0));
-  a.k = static_cast<int>(x.size(1));
-  const int ks = kernels::skinny_gemm_ksplit(a.m, a.n, a.k, static_cast<int>(skinny_ksplit_));
-  if (ks == 0 || (ks > 1 && (!skinny_workspace_.defined()
-                             || static_cast<std::size_t>(skinny_workspace_.numel())
-                                  < kernels::skinny_gemm_workspace_floats(a.n, ks)
-                             || skinny_counters_.numel() < a.n / 64)))
-    return {};
-  at::Tensor y = at::empty({x.size(0), w.size(0)}, f32 ? f32_ : bf_);
-  a.x = x.data_ptr();
-  a.x_lo = x_lo.defined() ? x_lo.data_ptr() : nullptr;
-  a.w = w.data_ptr();
-  a.y = y.data_ptr();
-  a.y_f32 = f32;
-  if (ks > 1) {
-    a.workspace = skinny_workspace_.data_ptr<float>();
-    a.workspace_floats = static_cast<std::size_t>(skinny_workspace_.numel());
-    a.counters = skinny_counters_.data_ptr<int>();
-  }
-  kernels::skinny_gemm(a, ks, stream());
-  return y;
-#else
-  (void)x, (void)w, (void)f32, (void)min_rows, (void)x_lo;
-  return {};
-#endif
-}
-
 // x [m, k] . w [n, k]^T: up to dense_gemv_max_rows_ (<= 8) rows the dense GEMV, up to
 // dense_mma_max_rows_ the tensor-core kernel, else the ATen GEMM (cuBLAS).
 at::Tensor fast_rank_forward::linear(const at::Tensor& x, const at::Tensor& w) const {
@@ -117,17 +61,12 @@ at::Tensor fast_rank_forward::linear(const at::Tensor& x, const at::Tensor& w) c
 #endif
   if (at::Tensor y = dense_mma(x, w, false); y.defined())
     return y;
-  if (at::Tensor y = skinny(x, w, false, dense_mma_max_rows_); y.defined())
-    return y;
   return at::matmul(x, w.t());
 }
 
 at::Tensor fast_rank_forward::linear_f32(const at::Tensor& x, const at::Tensor& w,
                                          std::int64_t max_mma_rows) const {
   if (at::Tensor y = dense_mma(x, w, true, max_mma_rows); y.defined())
-    return y;
-  if (at::Tensor y = skinny(x, w, true, max_mma_rows < 0 ? dense_mma_max_rows_ : max_mma_rows);
-      y.defined())
     return y;
 #if defined(REFIT_HAVE_MM_DTYPE)
   if (x.is_cuda() && x.scalar_type() == at::kBFloat16)

@@ -59,9 +59,6 @@ void set_programmatic_launch(bool on);
 // With `qk` (mode 2 only), the kernel does qk_norm_rope_write's work itself: each block computes
 // its group's q heads from qkv into shared memory (`q` unused), and the block that reads a
 // sequence's last position writes that position's K and V (normed, RoPE'd) into the cache first.
-// `early` (mode 2): each warp copies its first tile of K and V rows before waiting for the kernel
-// before (programmatic launch), all but the last position's, which this step writes: the
-// cache rows of earlier steps and the tables and lengths must not be written by that kernel.
 inline constexpr int max_attention_splits = 16;
 struct attention_qk {
   const void* qkv = nullptr; // bf16 [b, (hq + 2 hkv) * d]
@@ -80,7 +77,7 @@ int decode_attention_splits(int b, int hkv);
 void decode_attention(const void* q, kv_target kv, const std::int64_t* table, int width,
                       const std::int64_t* lengths, void* out, float* partial, int splits, int b,
                       int hq, int hkv, int d, void* stream, int mode = 1,
-                      const attention_qk* qk = nullptr, bool early = false);
+                      const attention_qk* qk = nullptr);
 
 // Router: logits bf16 [n, e] -> softmax (fp32) -> the top_k experts (ties: lower id), their
 // probabilities renormalized when `renormalize`: ids int64 [n, top_k], weights fp32 [n, top_k].
@@ -198,31 +195,6 @@ void expert_mma(const expert_mma_args& args, int copies, int experts, int ksplit
 constexpr int dense_mma_max_rows = 128;
 int dense_mma_ksplit(const expert_mma_args& args, int m, int wanted);
 void dense_mma(const expert_mma_args& args, int m, int ksplit, void* stream);
-
-// y [m, n] = x bf16 [m, k] . w bf16 [n, k]^T (+ x_lo [m, k] . w^T when x_lo is set: the
-// router's two bf16 parts into the same fp32 sums), bf16 or fp32 (y_f32) out, for the 1..64
-// token rows of a decode step (torch_kernels_skinny.cu): n and k multiples of 64, all 16-byte
-// aligned. Split over ksplit k-slices (skinny_gemm_ksplit: about 1.5 blocks an SM; `wanted` > 0
-// checked, 0 if it does not fit), whose partial sums go through `workspace` (at least
-// skinny_gemm_workspace_floats) and are added in slice order by the last slice of each
-// 64-row tile (counters: n / 64 ints, zero, left zero): the same bits run to run. The weights'
-// first stages are read before the wait for the kernel before (programmatic launch).
-constexpr int skinny_max_rows = 64;
-struct skinny_gemm_args {
-  const void* x = nullptr;
-  const void* x_lo = nullptr;
-  const void* w = nullptr;
-  void* y = nullptr;
-  bool y_f32 = false;
-  int m = 0, n = 0, k = 0;
-  float* workspace = nullptr;
-  std::size_t workspace_floats = 0;
-  int* counters = nullptr;
-};
-bool skinny_gemm_supported(int m, int n, int k);
-int skinny_gemm_ksplit(int m, int n, int k, int wanted);
-std::size_t skinny_gemm_workspace_floats(int n, int ksplit);
-void skinny_gemm(const skinny_gemm_args& args, int ksplit, void* stream);
 
 // Sampling without top-k / top-p filters: out double [draws, 2] = (token, logprob) of draw d
 // from row rows[d] of logits fp32 (row_stride >= vocab floats apart, vocab columns) with

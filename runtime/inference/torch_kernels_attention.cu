@@ -367,8 +367,7 @@ int decode_attention_splits(int b, int hkv) {
 
 void decode_attention(const void* q, kv_target kv, const std::int64_t* table, int width,
                       const std::int64_t* lengths, void* out, float* partial, int splits, int b,
-                      int hq, int hkv, int d, void* stream, int mode, const attention_qk* qk,
-                      bool early) {
+                      int hq, int hkv, int d, void* stream, int mode, const attention_qk* qk) {
   if (mode < 0 || mode > 2)
     throw std::invalid_argument("decode_attention: mode " + std::to_string(mode)
                                 + " (0 CUDA cores, 1 tensor cores, 2 transposed tensor cores)");
@@ -380,8 +379,7 @@ void decode_attention(const void* q, kv_target kv, const std::int64_t* table, in
     throw std::invalid_argument("decode_attention: " + std::to_string(splits)
                                 + " splits (1.." + std::to_string(max_attention_splits)
                                 + ", a partial buffer when > 1)");
-  const attention_call a{q,     kv,     table, width, lengths, out,  partial,
-                         splits, b, hq, hkv,   mode,    qk,   early};
+  const attention_call a{q, kv, table, width, lengths, out, partial, splits, b, hq, hkv, mode, qk};
   const int group = hq / hkv;
   if (d == 64)
     dispatch_group<64>(group, a, as_stream(stream));

@@ -156,7 +156,6 @@ struct attention_call {
   int splits, b, hq, hkv;
   int mode; // decode_attention's
   const attention_qk* qk;
-  bool early; // mode 2: the first tiles copied before the wait for the kernel before
 };
 
 // Mode 2's kernel (torch_kernels_attention_t.cu, instantiated for D 64 and 128, G 1, 2, 4 and 8)

@@ -116,7 +116,8 @@ __global__ void __launch_bounds__(NW * 32, 4)
                                 const i64* __restrict__ table, int width,
                                 const i64* __restrict__ lengths, bf16* __restrict__ out,
                                 float* __restrict__ partial, int splits, int hq, int hkv,
-                                float scale, attention_qk qk, bool early) {
+                                float scale, attention_qk qk) {
+  pdl_enter();
   static_assert(G >= 1 && G <= 8 && (D == 64 || D == 128), "decode attention (mma_t): shape");
   constexpr int TILE = 32;
   constexpr int KS = D / 16; // k-steps of S, row tiles of O^T
@@ -131,6 +132,12 @@ __global__ void __launch_bounds__(NW * 32, 4)
   const int g = lane >> 2;
   const int t = lane & 3;
   bf16* qs = reinterpret_cast<bf16*>(attention_smem) + NW * 2 * TILE * D; // q: 8 rows of D
+  const int length = static_cast<int>(lengths[b]);
+  stage_q<D, G, NW>(qs, q, qk, kv, b, h, split, splits, length, hq, hkv);
+  __syncthreads();
+  float m = -INFINITY; // head g's running max (equal in its four lanes)
+  float l = 0.0f;      // this thread's share of head g's sum
+  float acc[KS][4] = {}; // O^T: [k][0], [1]: dim 16 k + g of heads 2t, 2t+1; [2], [3]: dim + 8
   const bf16* cache = static_cast<const bf16*>(kv.base);
   const i64* row_table = table + static_cast<i64>(b) * width;
   const i64 head_offset = kv.layer_offset + static_cast<i64>(h) * D;
@@ -140,71 +147,38 @@ __global__ void __launch_bounds__(NW * 32, 4)
   bf16* vw = kw + TILE * D;
   const int sw = lane & 7; // the swizzle of the rows this lane addresses (row % 8 == lane % 8)
   const int stride = splits * NW * TILE;
-  const auto row_offset = [&](int p) {
-    const int blk = p / block_size;
-    return row_table[blk] * kv.block_elems + head_offset + (p - blk * block_size) * slot_elems;
-  };
-  // The K and V rows of the tile at `base`, coalesced: one copy instruction takes 32 / RC whole
-  // rows (lane l: chunk l % RC of row l / RC), each row's cache offset shuffled from the lane of
-  // its position (lane l looks up position base + l); chunk c of row r lands at c ^ (r % 8),
-  // rows past the end are zeros, position `skip` is left alone. (A lane copying a row of its
-  // own made every instruction touch 32 rows: the L1 took 32 cycles an instruction.)
-  const auto copy_tile = [&](int base, int length, int skip) {
-    const int p = base + lane;
-    const i64 off = p < length ? (p == skip ? -2 : row_offset(p)) : -1;
-    constexpr int RPI = 32 / RC; // rows per copy instruction
-    const int c = lane % RC;
-#pragma unroll
-    for (int r0 = 0; r0 < TILE; r0 += RPI) {
-      const int r = r0 + lane / RC;
-      const i64 row = __shfl_sync(0xffffffffu, off, r);
-      uint4* kd = reinterpret_cast<uint4*>(kw + r * D) + (c ^ (r & 7));
-      uint4* vd = reinterpret_cast<uint4*>(vw + r * D) + (c ^ (r & 7));
-      if (row >= 0) {
-        __pipeline_memcpy_async(kd, reinterpret_cast<const uint4*>(cache + row) + c, 16);
-        __pipeline_memcpy_async(vd, reinterpret_cast<const uint4*>(cache + row + kv.part_elems) + c,
-                                16);
-      } else if (row == -1) {
-        *kd = *vd = make_uint4(0u, 0u, 0u, 0u);
-      }
-    }
-  };
-  // early: the warp's first tile is copied before the wait for the kernel before (the cache
-  // rows of earlier steps and the step's tables do not depend on it), all but the sequence's
-  // last position, whose K and V this step writes (stage_q, or qk_norm_rope_write before).
-  int length = 0;
-  if (early) {
-    length = static_cast<int>(lengths[b]);
-    const int first = (split + splits * warp) * TILE;
-    if (first < length)
-      copy_tile(first, length, length - 1);
-  }
-  pdl_enter();
-  if (!early)
-    length = static_cast<int>(lengths[b]);
-  stage_q<D, G, NW>(qs, q, qk, kv, b, h, split, splits, length, hq, hkv);
-  __syncthreads();
-  float m = -INFINITY; // head g's running max (equal in its four lanes)
-  float l = 0.0f;      // this thread's share of head g's sum
-  float acc[KS][4] = {}; // O^T: [k][0], [1]: dim 16 k + g of heads 2t, 2t+1; [2], [3]: dim + 8
-  bool prefetched = early;
   for (int base = (split + splits * warp) * TILE; base < length; base += stride) {
-    if (prefetched) { // the last position's row, if in this tile, now that it is written
-      prefetched = false;
-      const int r = length - 1 - base;
-      if (r < TILE && lane < 2 * RC) {
-        const i64 row = row_offset(length - 1) + (lane < RC ? 0 : kv.part_elems);
-        const int c = lane % RC;
-        bf16* dst = lane < RC ? kw : vw;
-        __pipeline_memcpy_async(reinterpret_cast<uint4*>(dst + r * D) + (c ^ (r & 7)),
-                                reinterpret_cast<const uint4*>(cache + row) + c, 16);
+    { // The tile's K and V rows, coalesced: one copy instruction takes 32 / RC whole rows
+      // (lane l: chunk l % RC of row l / RC), each row's cache offset shuffled from the lane of
+      // its position (lane l looks up position base + l); chunk c of row r lands at c ^ (r % 8),
+      // rows past the end are zeros. (A lane copying a row of its own made every instruction
+      // touch 32 rows: the L1 took 32 cycles an instruction.)
+      const int p = base + lane;
+      i64 off = -1;
+      if (p < length) {
+        const int blk = p / block_size;
+        off = row_table[blk] * kv.block_elems + head_offset + (p - blk * block_size) * slot_elems;
       }
-    } else {
-      copy_tile(base, length, -1);
+      constexpr int RPI = 32 / RC; // rows per copy instruction
+      const int c = lane % RC;
+#pragma unroll
+      for (int r0 = 0; r0 < TILE; r0 += RPI) {
+        const int r = r0 + lane / RC;
+        const i64 row = __shfl_sync(0xffffffffu, off, r);
+        uint4* kd = reinterpret_cast<uint4*>(kw + r * D) + (c ^ (r & 7));
+        uint4* vd = reinterpret_cast<uint4*>(vw + r * D) + (c ^ (r & 7));
+        if (row >= 0) {
+          __pipeline_memcpy_async(kd, reinterpret_cast<const uint4*>(cache + row) + c, 16);
+          __pipeline_memcpy_async(vd, reinterpret_cast<const uint4*>(cache + row + kv.part_elems) + c,
+                                  16);
+        } else {
+          *kd = *vd = make_uint4(0u, 0u, 0u, 0u);
+        }
+      }
+      __pipeline_commit();
+      __pipeline_wait_prior(0);
+      __syncwarp();
     }
-    __pipeline_commit();
-    __pipeline_wait_prior(0);
-    __syncwarp();
     float s[4][4] = {}; // [n][0..1]: head g at positions base + 8 n + 2 t, + 1; [2..3]: zero rows
 #pragma unroll
     for (int j = 0; j < KS / 2; ++j) { // k-steps 2 j, 2 j + 1; matrix i: dims 32 j + 8 i .. + 7
@@ -267,8 +241,7 @@ void launch_transposed(const attention_call& a, cudaStream_t s) {
               dim3(a.b, a.hkv, a.splits), dim3(NW * 32), mma_t_smem<D, NW>(), s,
               static_cast<const bf16*>(a.q), a.kv, a.table, a.width, a.lengths,
               static_cast<bf16*>(a.out), a.partial, a.splits, a.hq, a.hkv,
-              1.0f / std::sqrt(static_cast<float>(D)), a.qk != nullptr ? *a.qk : attention_qk{},
-              a.early);
+              1.0f / std::sqrt(static_cast<float>(D)), a.qk != nullptr ? *a.qk : attention_qk{});
 }
 
 template void launch_transposed<64, 1>(const attention_call&, cudaStream_t);
