@@ -251,21 +251,29 @@ TEST(ContinuousBatching, PipelinedDecodeDrawsWhatTheSynchronousScheduleDraws) {
   }
 }
 
+// A bf16 CPU forward that pipelines, with a 5-token prompt in two blocks: its prefill, the
+// one-token step after it and one draw.
+class PipelinedSteps : public ::testing::Test {
+protected:
+  void SetUp() override { ASSERT_TRUE(f.pipelines_samples()); }
+  model::model_config cfg = refit::testing::tiny_model();
+  refit::testing::engine_weights w = engine_synthetic(cfg);
+  host_memory mem;
+  engine_rig rig = cpu_rig(mem, cfg, w, model::dtype::bfloat16, 8, 8);
+  inf::rank_forward& f = *rig.forward;
+  std::byte* arena = rig.arena;
+  std::vector<std::int32_t> prompt = engine_prompt(5);
+  std::vector<std::uint32_t> blocks = {0, 1};
+  std::vector<inf::forward_item> prefill{{blocks.data(), 2, 0, prompt.data(), 5}};
+  std::vector<inf::forward_item> step{{blocks.data(), 2, 5, prompt.data() + 4, 1}};
+  std::vector<inf::sample_draw> one{{0, 0, 0, 0}};
+  inf::sampling_config params;
+};
+
 // begin_sample's protocol errors are refused with what was wrong: a feed of the wrong length,
 // a feed into a prompt of several tokens, a feed with nothing begun before, finish_sample
 // with nothing begun, and a synchronous step while a begun one is not finished.
-TEST(ContinuousBatching, PipelinedStepsRefuseBrokenFeedsNamingThem) {
-  const auto cfg = refit::testing::tiny_model();
-  const auto w = engine_synthetic(cfg);
-  host_memory mem;
-  auto rig = cpu_rig(mem, cfg, w, model::dtype::bfloat16, 8, 8);
-  inf::rank_forward& f = *rig.forward;
-  ASSERT_TRUE(f.pipelines_samples());
-  const auto prompt = engine_prompt(5);
-  std::vector<std::uint32_t> blocks = {0, 1};
-  inf::sampling_config params;
-  const std::vector<inf::forward_item> prefill = {{blocks.data(), 2, 0, prompt.data(), 5}};
-  const std::vector<inf::sample_draw> one = {{0, 0, 0, 0}};
+TEST_F(PipelinedSteps, RefuseBrokenFeedsNamingThem) {
   const auto refused = [](const std::function<void()>& call, const std::string& words) {
     try {
       call();
@@ -274,15 +282,14 @@ TEST(ContinuousBatching, PipelinedStepsRefuseBrokenFeedsNamingThem) {
       EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
     }
   };
-  refused([&] { f.begin_sample(prefill, rig.arena, params, one, {0, 0}); }, "2 feed entries");
-  refused([&] { f.begin_sample(prefill, rig.arena, params, one, {0}); }, "an item of 5 tokens");
+  refused([&] { f.begin_sample(prefill, arena, params, one, {0, 0}); }, "2 feed entries");
+  refused([&] { f.begin_sample(prefill, arena, params, one, {0}); }, "an item of 5 tokens");
   refused([&] { (void)f.finish_sample(); }, "without a begun step");
-  const std::vector<inf::forward_item> step = {{blocks.data(), 2, 5, prompt.data() + 4, 1}};
-  refused([&] { f.begin_sample(step, rig.arena, params, one, {0}); }, "no begun step");
-  f.begin_sample(prefill, rig.arena, params, one, {-1});
-  refused([&] { f.begin_sample(step, rig.arena, params, one, {3}); }, "drew 1 tokens");
-  refused([&] { (void)f.forward_sample(step, rig.arena, params, one); }, "not finished");
-  f.begin_sample(step, rig.arena, params, one, {0}); // the prefill's draw feeds the step
+  refused([&] { f.begin_sample(step, arena, params, one, {0}); }, "no begun step");
+  f.begin_sample(prefill, arena, params, one, {-1});
+  refused([&] { f.begin_sample(step, arena, params, one, {3}); }, "drew 1 tokens");
+  refused([&] { (void)f.forward_sample(step, arena, params, one); }, "not finished");
+  f.begin_sample(step, arena, params, one, {0}); // the prefill's draw feeds the step
   const auto first = f.finish_sample();
   const auto second = f.finish_sample();
   ASSERT_EQ(first.size(), 1u);
@@ -290,10 +297,49 @@ TEST(ContinuousBatching, PipelinedStepsRefuseBrokenFeedsNamingThem) {
   // The same two steps synchronously, the first draw's token fed by hand.
   std::vector<std::int32_t> fed = {first[0].token};
   const std::vector<inf::forward_item> by_hand = {{blocks.data(), 2, 5, fed.data(), 1}};
-  EXPECT_EQ(f.forward_sample(prefill, rig.arena, params, one)[0].token, first[0].token);
-  const auto again = f.forward_sample(by_hand, rig.arena, params, one);
+  EXPECT_EQ(f.forward_sample(prefill, arena, params, one)[0].token, first[0].token);
+  const auto again = f.forward_sample(by_hand, arena, params, one);
   EXPECT_EQ(again[0].token, second[0].token);
   EXPECT_EQ(again[0].logprob, second[0].logprob);
+}
+
+// drop_samples (what the generator calls when a request fails with steps in flight) forgets
+// every begun step: nothing is left to finish, a feed has nothing to feed from, a synchronous
+// step runs again, and the same two steps begun afresh draw what they drew before the drop.
+TEST_F(PipelinedSteps, DroppedStepsLeaveNothingBehind) {
+  params.temperature = 0.8f;
+  params.seed = 5;
+  const auto run_two = [&] {
+    f.begin_sample(prefill, arena, params, one, {-1});
+    f.begin_sample(step, arena, params, one, {0});
+    const auto a = f.finish_sample();
+    const auto b = f.finish_sample();
+    return std::vector<inf::sampled_token>{a.at(0), b.at(0)};
+  };
+  const auto before = run_two();
+  f.begin_sample(prefill, arena, params, one, {-1});
+  f.begin_sample(step, arena, params, one, {0});
+  f.drop_samples();
+  try {
+    (void)f.finish_sample();
+    ADD_FAILURE() << "a dropped step was finished";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("without a begun step"), std::string::npos) << e.what();
+  }
+  try {
+    f.begin_sample(step, arena, params, one, {0});
+    ADD_FAILURE() << "a feed from a dropped step accepted";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("no begun step"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(f.forward_sample(prefill, arena, params, one).at(0).token, before[0].token)
+    << "a synchronous step runs after the drop";
+  f.drop_samples(); // nothing begun: a no-op
+  const auto after = run_two();
+  for (std::size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(after[i].token, before[i].token) << "step " << i;
+    EXPECT_EQ(after[i].logprob, before[i].logprob) << "step " << i;
+  }
 }
 
 } // namespace
