@@ -16,7 +16,6 @@
 #include <string>
 #include <tuple>
 #include <utility>
-#include <utility>
 #include <vector>
 
 #include "gpu_fixture.hpp"
@@ -94,26 +93,26 @@ TEST(GpuMoeKernels, BucketSortsCopiesByExpertStablyAndListsTheNonEmptyExperts) {
   REQUIRE_GPUS(1);
   for (const auto& [tokens, top_k, experts] :
        {std::tuple{37, 4, 64}, std::tuple{300, 8, 128}, std::tuple{100, 4, 200}}) {
-  SCOPED_TRACE(std::to_string(tokens) + " tokens, top " + std::to_string(top_k) + " of "
-               + std::to_string(experts));
-  const auto ids = skewed_routing(tokens, top_k, experts, 3);
-  const int copies = tokens * top_k;
-  device_vec<i64> d_ids(ids);
-  refit::bench::device_bucket d(0, copies, experts, {5, 7}); // expert loads start at 5 and 7
-  kernels::bucket(d_ids.p, copies, top_k, experts, d.out(), nullptr);
-  CUDA_OK(cudaDeviceSynchronize());
-  const auto want = host_bucket(ids, top_k, experts);
-  EXPECT_EQ(d.counts.host(), want.counts);
-  EXPECT_EQ(d.offsets.host(), want.offsets);
-  EXPECT_EQ(d.order.host(), want.order);
-  EXPECT_EQ(d.src_token.host(), want.src_token);
-  EXPECT_EQ(d.inverse.host(), want.inverse);
-  auto active = d.active.host();
-  const int used = active.back();
-  ASSERT_EQ(used, static_cast<int>(want.active.size()));
-  active.resize(static_cast<std::size_t>(used));
-  EXPECT_EQ(active, want.active);
-  EXPECT_EQ(d.loads.host(), (std::vector<i64>{5 + used, 7 + used}));
+    SCOPED_TRACE(std::to_string(tokens) + " tokens, top " + std::to_string(top_k) + " of "
+                 + std::to_string(experts));
+    const auto ids = skewed_routing(tokens, top_k, experts, 3);
+    const int copies = tokens * top_k;
+    device_vec<i64> d_ids(ids);
+    refit::bench::device_bucket d(0, copies, experts, {5, 7}); // expert loads start at 5 and 7
+    kernels::bucket(d_ids.p, copies, top_k, experts, d.out(), nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+    const auto want = host_bucket(ids, top_k, experts);
+    EXPECT_EQ(d.counts.host(), want.counts);
+    EXPECT_EQ(d.offsets.host(), want.offsets);
+    EXPECT_EQ(d.order.host(), want.order);
+    EXPECT_EQ(d.src_token.host(), want.src_token);
+    EXPECT_EQ(d.inverse.host(), want.inverse);
+    auto active = d.active.host();
+    const int used = active.back();
+    ASSERT_EQ(used, static_cast<int>(want.active.size()));
+    active.resize(static_cast<std::size_t>(used));
+    EXPECT_EQ(active, want.active);
+    EXPECT_EQ(d.loads.host(), (std::vector<i64>{5 + used, 7 + used}));
   }
 }
 
@@ -134,41 +133,41 @@ std::vector<int> ranked(const std::vector<double>& score) {
 TEST(GpuMoeKernels, RouteTakesTheTopKWithTiesToTheLowerIdAsTheHostDoes) {
   REQUIRE_GPUS(1);
   for (const auto& [experts, top_k] : {std::pair{40, 6}, std::pair{80, 40}}) {
-  SCOPED_TRACE("top " + std::to_string(top_k) + " of " + std::to_string(experts));
-  const int tokens = 5;
-  std::vector<std::uint16_t> logits;
-  for (int t = 0; t < tokens; ++t)
-    for (int e = 0; e < experts; ++e) // token t: values repeat every 3 + t experts
-      logits.push_back(to_bf16(0.25f * float((e * 7) % (3 + t))));
-  device_vec<std::uint16_t> d_logits(logits);
-  for (const bool renormalize : {false, true}) {
-    device_vec<i64> ids(static_cast<std::size_t>(tokens * top_k));
-    device_vec<float> weights(static_cast<std::size_t>(tokens * top_k));
-    kernels::route(d_logits.p, tokens, experts, top_k, renormalize, ids.p, weights.p, nullptr);
-    CUDA_OK(cudaDeviceSynchronize());
-    const auto got_ids = ids.host();
-    const auto got_w = weights.host();
-    for (int t = 0; t < tokens; ++t) {
-      std::vector<double> p(static_cast<std::size_t>(experts));
-      double mx = -1e30, sum = 0;
-      for (int e = 0; e < experts; ++e)
-        mx = std::max(mx, double(from_bf16(logits[static_cast<std::size_t>(t * experts + e)])));
-      for (int e = 0; e < experts; ++e)
-        sum += p[static_cast<std::size_t>(e)] =
-          std::exp(double(from_bf16(logits[static_cast<std::size_t>(t * experts + e)])) - mx);
-      const std::vector<int> rank = ranked(p);
-      double kept = 0;
-      for (int j = 0; j < top_k; ++j)
-        kept += p[static_cast<std::size_t>(rank[static_cast<std::size_t>(j)])] / sum;
-      for (int j = 0; j < top_k; ++j) {
-        const std::size_t at = static_cast<std::size_t>(t * top_k + j);
-        const int want = rank[static_cast<std::size_t>(j)];
-        EXPECT_EQ(got_ids[at], want) << "token " << t << " choice " << j;
-        const double prob = p[static_cast<std::size_t>(want)] / sum / (renormalize ? kept : 1.0);
-        EXPECT_NEAR(got_w[at], prob, 1e-5) << "token " << t << " choice " << j;
+    SCOPED_TRACE("top " + std::to_string(top_k) + " of " + std::to_string(experts));
+    const int tokens = 5;
+    std::vector<std::uint16_t> logits;
+    for (int t = 0; t < tokens; ++t)
+      for (int e = 0; e < experts; ++e) // token t: values repeat every 3 + t experts
+        logits.push_back(to_bf16(0.25f * float((e * 7) % (3 + t))));
+    device_vec<std::uint16_t> d_logits(logits);
+    for (const bool renormalize : {false, true}) {
+      device_vec<i64> ids(static_cast<std::size_t>(tokens * top_k));
+      device_vec<float> weights(static_cast<std::size_t>(tokens * top_k));
+      kernels::route(d_logits.p, tokens, experts, top_k, renormalize, ids.p, weights.p, nullptr);
+      CUDA_OK(cudaDeviceSynchronize());
+      const auto got_ids = ids.host();
+      const auto got_w = weights.host();
+      for (int t = 0; t < tokens; ++t) {
+        std::vector<double> p(static_cast<std::size_t>(experts));
+        double mx = -1e30, sum = 0;
+        for (int e = 0; e < experts; ++e)
+          mx = std::max(mx, double(from_bf16(logits[static_cast<std::size_t>(t * experts + e)])));
+        for (int e = 0; e < experts; ++e)
+          sum += p[static_cast<std::size_t>(e)] =
+            std::exp(double(from_bf16(logits[static_cast<std::size_t>(t * experts + e)])) - mx);
+        const std::vector<int> rank = ranked(p);
+        double kept = 0;
+        for (int j = 0; j < top_k; ++j)
+          kept += p[static_cast<std::size_t>(rank[static_cast<std::size_t>(j)])] / sum;
+        for (int j = 0; j < top_k; ++j) {
+          const std::size_t at = static_cast<std::size_t>(t * top_k + j);
+          const int want = rank[static_cast<std::size_t>(j)];
+          EXPECT_EQ(got_ids[at], want) << "token " << t << " choice " << j;
+          const double prob = p[static_cast<std::size_t>(want)] / sum / (renormalize ? kept : 1.0);
+          EXPECT_NEAR(got_w[at], prob, 1e-5) << "token " << t << " choice " << j;
+        }
       }
     }
-  }
   }
 }
 
