@@ -9,8 +9,8 @@
 //
 // With --engine-paths only the engine's default staging (auto k-split, 2 chunks, 4 cp.async
 // stages, early) and its resident-warp variants ("... early persistent":
-// expert_mma_args::persistent, with 4 and with 8 stages) and both projections as one kernel
-// ("... early fused": kernels::expert_fused) run, each twice in turn (the spread shows).
+// expert_mma_args::persistent, with 4 and with 8 stages) run, each twice in turn (the spread
+// shows).
 //
 //   refit-expert-bench [--batch 1,16,64,256] [--experts 128] [--top-k 8] [--hidden 2048]
 //                      [--inter 768] [--layers 6] [--repeat 10] [--engine-paths] [--json]
@@ -221,7 +221,6 @@ int main(int argc, char** argv) try {
       int stages;         // expert_mma_args::stages
       bool early;         // expert_mma_args::early
       bool persistent;    // expert_mma_args::persistent (at k-split 1)
-      bool fused = false; // kernels::expert_fused (at k-split 1, early; with persistent: per warp)
     };
     std::vector<variant> variants;
     if (o.engine_paths) {
@@ -229,8 +228,6 @@ int main(int argc, char** argv) try {
         variants.push_back({2, 0, true, 4, true, false});
         variants.push_back({2, 0, true, 4, true, true});
         variants.push_back({2, 0, true, 8, true, true});
-        variants.push_back({2, 0, true, 4, true, false, true});
-        variants.push_back({2, 0, true, 4, true, true, true});
       }
     } else {
       for (const int stages : {0, 4, 8})
@@ -242,15 +239,9 @@ int main(int argc, char** argv) try {
         variants.push_back({chunks, 0, false, 4, false, false});
         variants.push_back({chunks, 0, true, 4, true, false});
         variants.push_back({chunks, 0, true, 4, true, true});
-        variants.push_back({chunks, 0, true, 4, true, false, true});
       }
     }
-    // expert_fused's counters: two, taken in turn (launches next to each other on the stream
-    // must not share them).
-    const std::size_t sync_n = static_cast<std::size_t>(kernels::expert_fused_sync_ints(e));
-    const cuda::device_array<int> syncs[2] = {filled<int>(sync_n, 0), filled<int>(sync_n, 0)};
-    unsigned fused_launches = 0;
-    for (const auto& [chunks, wanted, evict_first, stages, early, persistent, fused] : variants) {
+    for (const auto& [chunks, wanted, evict_first, stages, early, persistent] : variants) {
       kernels::expert_mma_args up, down;
       up.max_chunks = down.max_chunks = chunks;
       up.evict_first = down.evict_first = evict_first;
@@ -279,21 +270,16 @@ int main(int argc, char** argv) try {
       if (ks_up == 0 || ks_down == 0)
         continue;
       up.persistent = persistent && ks_up == 1;
-      down.persistent = persistent && ks_down == 1 && !fused;
+      down.persistent = persistent && ks_down == 1;
       if (persistent && !up.persistent && !down.persistent)
         continue; // no projection at k-split 1: the block-per-expert row already ran
-      if (fused && (ks_up != 1 || ks_down != 1 || !kernels::expert_fused_supported(up, down)))
-        continue;
       measure(std::string(wanted == 0 ? "mma auto " : "mma ") + std::to_string(ks_up) + "/"
                 + std::to_string(ks_down) + " c" + std::to_string(chunks) + " s"
                 + std::to_string(stages) + (evict_first ? "" : " l2-normal")
-                + (early ? " early" : "") + (persistent ? " persistent" : "")
-                + (fused ? " fused" : ""),
+                + (early ? " early" : "") + (persistent ? " persistent" : ""),
               [&](int l) {
                 up.w = w13[static_cast<std::size_t>(l)].p;
                 down.w = w2[static_cast<std::size_t>(l)].p;
-                if (fused)
-                  return kernels::expert_fused(up, down, e, syncs[fused_launches++ % 2].p, s);
                 kernels::expert_mma(up, copies, e, ks_up, s);
                 kernels::expert_mma(down, copies, e, ks_down, s);
               });

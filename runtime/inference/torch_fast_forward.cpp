@@ -107,13 +107,6 @@ fast_rank_forward::fast_rank_forward(const rank_forward_options& o)
   mma_stages_ = choice_knob("REFIT_EXPERT_MMA_STAGES", {"0", "4", "8"}, mma_stages_);
   mma_early_ = choice_knob("REFIT_EXPERT_MMA_EARLY", {"0", "1"}, mma_early_);
   mma_persistent_ = choice_knob("REFIT_EXPERT_MMA_PERSISTENT", {"0", "1", "2"}, mma_persistent_);
-  mma_fused_ = choice_knob("REFIT_EXPERT_MMA_FUSED", {"0", "1", "2"}, mma_fused_);
-#if defined(REFIT_TORCH_CUDA)
-  if (fused_ && mma_fused_ != 0) // allocated here, never while a graph is captured
-    expert_sync_ = at::zeros({static_cast<std::int64_t>(layers_.size()),
-                              kernels::expert_fused_sync_ints(static_cast<int>(experts_))},
-                             at::TensorOptions().dtype(at::kInt).device(device_));
-#endif
   route_bucket_max_tokens_ = count_knob("REFIT_ROUTE_BUCKET_MAX_TOKENS", route_bucket_max_tokens_,
                                         "tokens", 256); // kernels::route_bucket_max_tokens
   fused_sampling_ = choice_knob("REFIT_FUSED_SAMPLING", {"0", "1"}, fused_sampling_);

@@ -397,14 +397,6 @@ private:
   // stream a sequence of expert tiles through one ring of stages (no refill at tile starts);
   // 1: both projections, 2: the down projection only (its tiles are 12 k-steps at decode).
   std::int64_t mma_persistent_ = 0;
-  // Both projections as one kernel (kernels::expert_fused, REFIT_EXPERT_MMA_FUSED; 1: blocks
-  // take groups from a queue, 2: each warp a fixed sequence of tiles), where the early start
-  // applies (nearly every expert routed) and both would run at k-split 1.
-  std::int64_t mma_fused_ = 0;
-  // Its counters, a row per layer (int32, zero between launches; CUDA only): the kernel takes
-  // its first groups before it waits for the kernel before, so two launches in a row must
-  // not share a row.
-  at::Tensor expert_sync_;
   // Tokens up to which routing and the counting sort run as one kernel (route_bucket_f32, one
   // block) instead of two (REFIT_ROUTE_BUCKET_MAX_TOKENS, at most 256; 0: always two).
   std::int64_t route_bucket_max_tokens_ = 0;

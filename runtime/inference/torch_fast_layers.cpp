@@ -312,13 +312,6 @@ at::Tensor fast_rank_forward::expert_projections(const layer_tensors& w, const a
       up.y = act.data_ptr();
       down.x = act.data_ptr();
       down.y = ys.data_ptr();
-      const std::ptrdiff_t layer = &w - layers_.data();
-      if (expert_sync_.defined() && layer >= 0 && layer < expert_sync_.size(0) && copies >= experts_
-          && ks_up == 1 && ks_down == 1 && kernels::expert_fused_supported(up, down)) {
-        up.persistent = mma_fused_ == 2; // per-warp items instead of the queue of groups
-        kernels::expert_fused(up, down, e, expert_sync_[layer].data_ptr<int>(), stream());
-        return ys;
-      }
       kernels::expert_mma(up, c, e, ks_up, stream());
       kernels::expert_mma(down, c, e, ks_down, stream());
       return ys;

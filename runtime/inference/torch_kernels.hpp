@@ -186,26 +186,6 @@ bool expert_mma_supported(const expert_mma_args& args);
 int expert_mma_ksplit(const expert_mma_args& args, int copies, int experts, int wanted);
 void expert_mma(const expert_mma_args& args, int copies, int experts, int ksplit, void* stream);
 
-// A decode MoE layer's gate_up (up: GLU; x, x_rows, w, y = the activations bf16
-// [copies, up.rows / 2]) and down (down: w, y, rows, k = up.rows / 2, y_f32; its x is up.y) in
-// ONE kernel (torch_kernels_expert_fused.cu): about as many blocks as fit on the device at
-// once take groups of 8 warp tiles (every gate_up group, then every down group) from a queue,
-// their cp.async rings running on across groups; a down group waits until its expert's
-// gate_up groups are written; with up.persistent instead each warp streams a fixed sequence
-// of tiles (every gate_up tile, then every down tile), with no queue and no block barriers.
-// The sums are expert_mma's at k-split 1, bit for bit. Staging
-// (max_chunks, stages 4 or 8, evict_first), max_blocks and the bucket lists (counts, offsets)
-// come from up; every expert by id. Both projections' rows must be multiples of 128 and a
-// pass at least `stages` k-iterations long (expert_fused_supported; expert_fused throws
-// std::invalid_argument naming what does not fit). sync: expert_fused_sync_ints(experts) ints
-// of device memory, zero before the first launch; every launch leaves them zero. A launch
-// takes its first groups before it waits for the kernel before it (programmatic launch), so
-// two launches next to each other on a stream must not share a sync, nor may two streams.
-int expert_fused_sync_ints(int experts);
-bool expert_fused_supported(const expert_mma_args& up, const expert_mma_args& down);
-void expert_fused(const expert_mma_args& up, const expert_mma_args& down, int experts, int* sync,
-                  void* stream);
-
 // A dense projection of a few rows on the same kernel: y bf16 (fp32 with y_f32) [m, rows] =
 // x bf16 [m, k] . w bf16 [rows, k]^T for 1 <= m <= dense_mma_max_rows, every weight row streamed
 // once per pass of up to 64 rows (past 64, a second pass reads them again, from L2 when they

@@ -12,24 +12,6 @@ namespace refit::inference::kernels {
 
 using namespace detail;
 
-namespace detail {
-
-// The largest chunk count per lane and k-iteration, at most max_chunks, that divides a k-slice
-// (4, 2 or 1), 0 if none.
-static int chunks_for(int span, int max_chunks) {
-  for (int ch = max_chunks >= 4 ? 4 : max_chunks >= 2 ? 2 : 1; ch >= 1; ch /= 2)
-    if (span % (32 * ch) == 0)
-      return ch;
-  return 0;
-}
-
-// The chunks per lane and k-iteration of a k-slice: 8 cp.async stages hold at most 2.
-int lane_chunks(const expert_mma_args& a, int ksplit) {
-  return chunks_for(a.k / ksplit, a.stages >= 8 && a.max_chunks > 2 ? 2 : a.max_chunks);
-}
-
-} // namespace detail
-
 namespace {
 
 constexpr int dense_token_tiles = 8; // a dense projection's rows in one pass, up to 64
@@ -208,6 +190,20 @@ __global__ void __launch_bounds__(mma_warps * 32, CH >= 4 && S == 0 ? 1 : 2)
     if (wk == 0 && live)
       write_tile<GLU, TT>(acc, tiles, base, count, first, tile, ra, rb, cols, y_out, y_f32);
   }
+}
+
+// The largest chunk count per lane and k-iteration, at most max_chunks, that divides a k-slice
+// (4, 2 or 1), 0 if none.
+int chunks_for(int span, int max_chunks) {
+  for (int ch = max_chunks >= 4 ? 4 : max_chunks >= 2 ? 2 : 1; ch >= 1; ch /= 2)
+    if (span % (32 * ch) == 0)
+      return ch;
+  return 0;
+}
+
+// The chunks per lane and k-iteration of a k-slice: 8 cp.async stages hold at most 2.
+int lane_chunks(const expert_mma_args& a, int ksplit) {
+  return chunks_for(a.k / ksplit, a.stages >= 8 && a.max_chunks > 2 ? 2 : a.max_chunks);
 }
 
 // Warp tiles per expert: 16 weight rows each (GLU: 8 gate rows and their 8 up rows).

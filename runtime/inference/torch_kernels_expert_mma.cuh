@@ -47,14 +47,8 @@ __device__ __forceinline__ void load_stage(const bf16* wa, const bf16* wb, int k
   }
 }
 
-// 16 bytes by an ordinary (coherent, L1-cached) load: data this kernel wrote, read after the
-// reading thread acquired it (the read-only path is only for data constant during the
-// kernel). A plain load, not asm, so the compiler still issues a stage's loads together.
-__device__ __forceinline__ uint4 load_coherent(const uint4* p) { return *p; }
-
-// The MMAs of one k-iteration for the live token tiles. The token rows come through the
-// read-only path, or (Coherent: rows this kernel itself wrote) by ordinary loads.
-template <int CH, int TT, bool Coherent = false>
+// The MMAs of one k-iteration for the live token tiles.
+template <int CH, int TT>
 __device__ __forceinline__ void mma_stage(const bf16* const (&xr)[TT], int off, int tiles,
                                           const uint4 (&a)[CH], const uint4 (&b)[CH],
                                           float (&acc)[TT][4]) {
@@ -63,8 +57,7 @@ __device__ __forceinline__ void mma_stage(const bf16* const (&xr)[TT], int off, 
     if (tt < tiles) {
 #pragma unroll
       for (int c = 0; c < CH; ++c) {
-        const uint4* xp = reinterpret_cast<const uint4*>(xr[tt] + off + c * 32);
-        const uint4 xv = Coherent ? load_coherent(xp) : __ldg(xp);
+        const uint4 xv = __ldg(reinterpret_cast<const uint4*>(xr[tt] + off + c * 32));
         mma_bf16(acc[tt], a[c].x, b[c].x, a[c].y, b[c].y, xv.x, xv.y);
         mma_bf16(acc[tt], a[c].z, b[c].z, a[c].w, b[c].w, xv.z, xv.w);
       }
@@ -154,23 +147,6 @@ __device__ __forceinline__ void write_tile(const float (&acc)[TT][4], int tiles,
         y[p * cols + rb] = to_bf(acc[tt][2 + j]);
       }
     }
-}
-
-// The chunks per lane and k-iteration of a k-slice (4, 2 or 1; 0 if none divides it): the
-// largest up to args.max_chunks, at most 2 with 8 cp.async stages (torch_kernels_expert_mma.cu).
-int lane_chunks(const expert_mma_args& a, int ksplit);
-
-// The blocks of `kernel` that fit on the device at once (its occupancy at `smem` bytes of
-// dynamic shared memory, at least one per SM): the grid of a resident-warp kernel.
-template <class Kernel>
-inline int resident_blocks(Kernel kernel, int smem) {
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  int per_sm = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, mma_warps * 32, smem)
-        != cudaSuccess
-      || per_sm < 1)
-    per_sm = 1;
-  return per_sm * multiprocessors();
 }
 
 // expert_mma at k-split 1 with resident warps (expert_mma_args::persistent;

@@ -149,6 +149,19 @@ __global__ void __launch_bounds__(mma_warps * 32, 2)
   asm volatile("cp.async.wait_group 0;" ::: "memory");
 }
 
+// The blocks of one launch: no more than fit on the device at once (the kernel's occupancy at
+// its shared memory), nor than the items need.
+template <class Kernel>
+int resident_blocks(Kernel kernel, int smem) {
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  int per_sm = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, mma_warps * 32, smem)
+        != cudaSuccess
+      || per_sm < 1)
+    per_sm = 1;
+  return per_sm * multiprocessors();
+}
+
 template <int CH, bool GLU, int S>
 void launch_stream(const expert_mma_args& a, int experts, cudaStream_t s) {
   const auto kernel = expert_stream_kernel<CH, GLU, mma_token_tiles, S>;
