@@ -123,13 +123,9 @@ fast_rank_forward::fast_rank_forward(const rank_forward_options& o)
   router_mma_max_rows_ =
     count_knob("REFIT_ROUTER_MMA_MAX_ROWS", router_mma_max_rows_, "rows", 128); // dense_mma_max_rows
   [[maybe_unused]] const bool programmatic = choice_knob("REFIT_PDL", {"0", "1"}, 1) == 1;
-  [[maybe_unused]] const bool attention_prefetch =
-    choice_knob("REFIT_ATTENTION_PREFETCH", {"0", "1"}, 0) == 1;
 #if defined(REFIT_TORCH_CUDA)
   if (device_.is_cuda())
     kernels::set_programmatic_launch(programmatic);
-  if (device_.is_cuda())
-    kernels::set_attention_prefetch(attention_prefetch);
 #endif
 }
 

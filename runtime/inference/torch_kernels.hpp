@@ -45,8 +45,6 @@ void dense_gemv(const void* x, const void* w, void* y, int m, int n, int k, void
 // Programmatic dependent launch of every kernel here (on by default; the engine sets it from
 // REFIT_PDL). Process-wide: it takes effect for launches (and graph captures) after the call.
 void set_programmatic_launch(bool on);
-// Decode attention mode 2's next-tile L2 prefetch and separate K / V waits (REFIT_ATTENTION_PREFETCH).
-void set_attention_prefetch(bool on);
 
 // Decode attention over the paged cache: q bf16 [b, hq, d]; table int64 [b, width]; lengths
 // int64 [b]; out bf16 [b, hq * d]. Supports d in {64, 128} and hq / hkv in {1, 2, 4, 8, 16}.

@@ -355,8 +355,6 @@ bool decode_attention_supported(int d, int group) {
                                    || group == 16);
 }
 
-void set_attention_prefetch(bool on) { attention_prefetch.store(on); }
-
 int decode_attention_splits(int b, int hkv) {
   const int sms = multiprocessors();
   const int blocks = b * hkv;

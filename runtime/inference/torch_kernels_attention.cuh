@@ -1,8 +1,6 @@
 // Device helpers of the decode-attention kernels (torch_kernels_attention.cu: modes 0 and 1 and
 // the merge; torch_kernels_attention_t.cu: mode 2). CUDA only; included by those .cu files.
 #pragma once
-
-#include <atomic>
 #include "runtime/inference/torch_kernels.hpp"
 #include "runtime/inference/torch_kernels_common.cuh"
 
@@ -147,10 +145,6 @@ __device__ __forceinline__ void finish_warps(float m, float l, unsigned char* sm
 }
 
 // decode_attention's arguments, checked.
-// Mode 2 loads a warp's next tile's K and V into L2 while it works on this one, and waits for
-// a tile's V only after S (set_attention_prefetch, from REFIT_ATTENTION_PREFETCH).
-inline std::atomic<bool> attention_prefetch{false};
-
 struct attention_call {
   const void* q;
   kv_target kv;

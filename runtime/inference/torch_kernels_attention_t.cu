@@ -116,7 +116,7 @@ __global__ void __launch_bounds__(NW * 32, 4)
                                 const i64* __restrict__ table, int width,
                                 const i64* __restrict__ lengths, bf16* __restrict__ out,
                                 float* __restrict__ partial, int splits, int hq, int hkv,
-                                float scale, attention_qk qk, bool prefetch) {
+                                float scale, attention_qk qk) {
   pdl_enter();
   static_assert(G >= 1 && G <= 8 && (D == 64 || D == 128), "decode attention (mma_t): shape");
   constexpr int TILE = 32;
@@ -159,43 +159,24 @@ __global__ void __launch_bounds__(NW * 32, 4)
         const int blk = p / block_size;
         off = row_table[blk] * kv.block_elems + head_offset + (p - blk * block_size) * slot_elems;
       }
-      // prefetch: the warp's next tile's K and V rows into L2 now (lane l: position l's two
-      // 128-byte lines of each), so its copies later wait on L2, not DRAM.
-      if (prefetch && base + stride + lane < length) {
-        const int p2 = base + stride + lane;
-        const int blk = p2 / block_size;
-        const bf16* r2 = cache + row_table[blk] * kv.block_elems + head_offset
-                         + (p2 - blk * block_size) * slot_elems;
-#pragma unroll
-        for (int line = 0; line < D * 2; line += 128) {
-          asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(r2) + line));
-          asm volatile("prefetch.global.L2 [%0];" ::"l"(
-            reinterpret_cast<const char*>(r2 + kv.part_elems) + line));
-        }
-      }
       constexpr int RPI = 32 / RC; // rows per copy instruction
       const int c = lane % RC;
-      // K's rows, then V's, as two commit groups: S waits only for K (prefetch on).
 #pragma unroll
-      for (int part = 0; part < 2; ++part) {
-#pragma unroll
-        for (int r0 = 0; r0 < TILE; r0 += RPI) {
-          const int r = r0 + lane / RC;
-          const i64 row = __shfl_sync(0xffffffffu, off, r);
-          uint4* d = reinterpret_cast<uint4*>((part == 0 ? kw : vw) + r * D) + (c ^ (r & 7));
-          if (row >= 0)
-            __pipeline_memcpy_async(
-              d, reinterpret_cast<const uint4*>(cache + row + (part == 0 ? 0 : kv.part_elems)) + c,
-              16);
-          else
-            *d = make_uint4(0u, 0u, 0u, 0u);
+      for (int r0 = 0; r0 < TILE; r0 += RPI) {
+        const int r = r0 + lane / RC;
+        const i64 row = __shfl_sync(0xffffffffu, off, r);
+        uint4* kd = reinterpret_cast<uint4*>(kw + r * D) + (c ^ (r & 7));
+        uint4* vd = reinterpret_cast<uint4*>(vw + r * D) + (c ^ (r & 7));
+        if (row >= 0) {
+          __pipeline_memcpy_async(kd, reinterpret_cast<const uint4*>(cache + row) + c, 16);
+          __pipeline_memcpy_async(vd, reinterpret_cast<const uint4*>(cache + row + kv.part_elems) + c,
+                                  16);
+        } else {
+          *kd = *vd = make_uint4(0u, 0u, 0u, 0u);
         }
-        __pipeline_commit();
       }
-      if (prefetch)
-        __pipeline_wait_prior(1); // K landed; V may still be in flight
-      else
-        __pipeline_wait_prior(0);
+      __pipeline_commit();
+      __pipeline_wait_prior(0);
       __syncwarp();
     }
     float s[4][4] = {}; // [n][0..1]: head g at positions base + 8 n + 2 t, + 1; [2..3]: zero rows
@@ -211,10 +192,6 @@ __global__ void __launch_bounds__(NW * 32, 4)
         mma_bf16(s[n], qa[0], 0u, qa[1], 0u, kb[0], kb[1]);
         mma_bf16(s[n], qa[2], 0u, qa[3], 0u, kb[2], kb[3]);
       }
-    }
-    if (prefetch) { // V of the tile
-      __pipeline_wait_prior(0);
-      __syncwarp();
     }
     const float corr = softmax_tile(s, base, t, length, scale, m, l);
     const float c0 = __shfl_sync(0xffffffffu, corr, 8 * t);     // head 2t's (lanes 8t..)
@@ -264,8 +241,7 @@ void launch_transposed(const attention_call& a, cudaStream_t s) {
               dim3(a.b, a.hkv, a.splits), dim3(NW * 32), mma_t_smem<D, NW>(), s,
               static_cast<const bf16*>(a.q), a.kv, a.table, a.width, a.lengths,
               static_cast<bf16*>(a.out), a.partial, a.splits, a.hq, a.hkv,
-              1.0f / std::sqrt(static_cast<float>(D)), a.qk != nullptr ? *a.qk : attention_qk{},
-              attention_prefetch.load());
+              1.0f / std::sqrt(static_cast<float>(D)), a.qk != nullptr ? *a.qk : attention_qk{});
 }
 
 template void launch_transposed<64, 1>(const attention_call&, cudaStream_t);
