@@ -414,7 +414,8 @@ TEST(Bf16Engine, AProgrammaticLaunchKnobThatIsNotZeroOrOneIsRefused) {
 // up to 64, REFIT_DENSE_GEMV_MAX_ROWS up to 8, REFIT_FUSED_SAMPLING, REFIT_ATTENTION_FUSED_QK,
 // REFIT_ROUTER_SPLIT, REFIT_LOGITS_FP32 and REFIT_RESIDUAL_FP32 0 or 1, REFIT_ATTENTION_MMA 0,
 // 1 or 2, REFIT_EXPERT_MMA_STAGES 0, 4 or 8, REFIT_EXPERT_MMA_EARLY and
-// REFIT_EXPERT_MMA_PERSISTENT 0, 1 or 2, REFIT_ROUTE_BUCKET_MAX_TOKENS up to 256,
+// REFIT_EXPERT_MMA_PERSISTENT 0, 1 or 2, REFIT_EXPERT_SELF_SORT 0 or 1,
+// REFIT_ROUTE_BUCKET_MAX_TOKENS up to 256,
 // REFIT_ROUTER_MMA_MAX_ROWS up to 128 and REFIT_ATTENTION_SPLITS up to 16.
 TEST(Bf16Engine, ExpertMmaKnobsOutsideTheirRangesAreRefusedNamingTheVariable) {
   expect_engine_knob("REFIT_EXPERT_MMA_MAX_COPIES", {"many", "-4", "4096 "}, " is not a count",
@@ -439,6 +440,7 @@ TEST(Bf16Engine, ExpertMmaKnobsOutsideTheirRangesAreRefusedNamingTheVariable) {
   expect_engine_knob("REFIT_EXPERT_MMA_EARLY", {"2", "early"}, " is not 0 or 1", {"0", "1"});
   expect_engine_knob("REFIT_EXPERT_MMA_PERSISTENT", {"3", "yes"}, " is not 0, 1 or 2",
                      {"0", "1", "2"});
+  expect_engine_knob("REFIT_EXPERT_SELF_SORT", {"2", "sort"}, " is not 0 or 1", {"0", "1"});
   expect_engine_knob("REFIT_ROUTE_BUCKET_MAX_TOKENS", {"257", "all", "-1"},
                      " is not a count of tokens", {"0", "64", "256"});
   expect_engine_knob("REFIT_ROUTER_MMA_MAX_ROWS", {"129", "rows", "-1"},

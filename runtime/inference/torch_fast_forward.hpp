@@ -278,10 +278,23 @@ private:
   // path: the norm before its bf16 rounding).
   at::Tensor experts(const layer_tensors& w, const at::Tensor& h, bool decode, at::Tensor& x,
                      const at::Tensor* next_norm, const at::Tensor& router_in);
+  // The counting sort done by the gate_up kernel instead of bucket (REFIT_EXPERT_SELF_SORT):
+  // the routed ids, the inverse it fills (with counts and offsets), decode or not (the loads).
+  struct in_kernel_sort {
+    const at::Tensor* ids;
+    const at::Tensor* inverse;
+    bool decode;
+  };
   at::Tensor expert_projections(const layer_tensors& w, const at::Tensor& h, std::int64_t copies,
                                 const at::Tensor& chosen, const at::Tensor& counts,
                                 const at::Tensor& offsets, const at::Tensor& order,
-                                const at::Tensor& src_token, const at::Tensor& active) const;
+                                const at::Tensor& src_token, const at::Tensor& active,
+                                const in_kernel_sort* sort = nullptr) const;
+#if defined(REFIT_TORCH_CUDA)
+  // Whether expert_projections takes the early tensor-core path (not persistent) for these
+  // copies at TP 1, with REFIT_EXPERT_SELF_SORT on: gate_up may then sort the copies itself.
+  bool self_sort_fits(const layer_tensors& w, const at::Tensor& h, std::int64_t copies) const;
+#endif
 
   // x (fp32, contiguous) += the all-reduced bf16 `out`.
   void add_residual(at::Tensor& x, const at::Tensor& out);
@@ -397,6 +410,10 @@ private:
   // stream a sequence of expert tiles through one ring of stages (no refill at tile starts);
   // 1: both projections, 2: the down projection only (its tiles are 12 k-steps at decode).
   std::int64_t mma_persistent_ = 0;
+  // gate_up sorts the routed copies itself instead of the bucket kernel before it, where
+  // self_sort_fits (REFIT_EXPERT_SELF_SORT): its weights stream from the end of routing, not
+  // of the sort (H200 batch 64: 18.21 vs 18.40 ms a step in one lease).
+  std::int64_t expert_self_sort_ = 1;
   // Tokens up to which routing and the counting sort run as one kernel (route_bucket_f32, one
   // block) instead of two (REFIT_ROUTE_BUCKET_MAX_TOKENS, at most 256; 0: always two).
   std::int64_t route_bucket_max_tokens_ = 0;

@@ -223,8 +223,10 @@ at::Tensor fast_rank_forward::experts(const layer_tensors& w, const at::Tensor& 
     if (cfg_.norm_topk_prob)
       weights = weights / weights.sum(-1, /*keepdim=*/true);
   }
+  bool self_sort = false; // gate_up sorts the copies (bucket's counts, offsets, inverse)
 #if defined(REFIT_TORCH_CUDA)
-  if (sort_on_device && !sorted)
+  self_sort = sort_on_device && !sorted && self_sort_fits(w, h, copies);
+  if (sort_on_device && !sorted && !self_sort)
     kernels::bucket(chosen.data_ptr<std::int64_t>(), static_cast<int>(copies), ki, ei, b,
                     stream());
 #endif
@@ -239,8 +241,9 @@ at::Tensor fast_rank_forward::experts(const layer_tensors& w, const at::Tensor& 
     if (decode)
       expert_loads_.narrow(0, 1, 1).add_(used);
   }
+  const in_kernel_sort sort{&chosen, &inverse, decode};
   const at::Tensor ys = expert_projections(w, h, copies, chosen, counts, offsets, order,
-                                           src_token, active);
+                                           src_token, active, self_sort ? &sort : nullptr);
 #if defined(REFIT_TORCH_CUDA)
   if (fused_ && o_.tp == 1) {
     if (!inverse.defined())
@@ -267,6 +270,27 @@ at::Tensor fast_rank_forward::experts(const layer_tensors& w, const at::Tensor& 
   return {};
 }
 
+#if defined(REFIT_TORCH_CUDA)
+bool fast_rank_forward::self_sort_fits(const layer_tensors& w, const at::Tensor& h,
+                                       std::int64_t copies) const {
+  if (expert_self_sort_ == 0 || !fused_ || o_.tp != 1 || mma_early_ == 0 || mma_stages_ == 0
+      || mma_persistent_ == 1 || copies > mma_max_copies_ || copies <= gemv_max_copies_
+      || copies < 4 * experts_ || copies / top_k_ > kernels::expert_sort_max_tokens
+      || !streamable(h) || !streamable(w.w13) || !streamable(w.w2))
+    return false;
+  kernels::expert_mma_args up = tuned_mma_args(), down = up;
+  up.rows = static_cast<int>(w.w13.size(1));
+  up.k = static_cast<int>(w.w13.size(2));
+  up.glu = true;
+  down.rows = static_cast<int>(w.w2.size(1));
+  down.k = static_cast<int>(w.w2.size(2));
+  const int c = static_cast<int>(copies), e = static_cast<int>(experts_);
+  const int wanted = static_cast<int>(mma_ksplit_);
+  return kernels::expert_mma_ksplit(up, c, e, wanted) > 0
+         && kernels::expert_mma_ksplit(down, c, e, wanted) > 0;
+}
+#endif
+
 // The routed copies through the experts, in sorted order: ys bf16 [copies, hidden]. The
 // tensor-core kernel (gate_up fused with SiLU, then down), the expert GEMV (very few copies) or
 // the grouped GEMM, by the number of copies.
@@ -276,7 +300,8 @@ at::Tensor fast_rank_forward::expert_projections(const layer_tensors& w, const a
                                                  const at::Tensor& offsets,
                                                  const at::Tensor& order,
                                                  const at::Tensor& src_token,
-                                                 const at::Tensor& active) const {
+                                                 const at::Tensor& active,
+                                                 const in_kernel_sort* sort) const {
 #if defined(REFIT_TORCH_CUDA)
   if (fused_ && active.defined() && copies <= mma_max_copies_ && copies > gemv_max_copies_
       && streamable(h) && streamable(w.w13) && streamable(w.w2)) {
@@ -306,6 +331,16 @@ at::Tensor fast_rank_forward::expert_projections(const layer_tensors& w, const a
     if (ks_up > 0 && ks_down > 0) {
       up.persistent = mma_persistent_ == 1 && ks_up == 1;
       down.persistent = mma_persistent_ != 0 && ks_down == 1;
+      if (sort != nullptr) { // bucket did not run: gate_up sorts and writes its outputs
+        up.sort_ids = sort->ids->data_ptr<std::int64_t>();
+        up.sort_copies = c;
+        up.sort_top_k = static_cast<int>(top_k_);
+        up.sort_out.counts = counts.data_ptr<std::int64_t>();
+        up.sort_out.offsets = offsets.data_ptr<int>();
+        up.sort_out.inverse = sort->inverse->data_ptr<std::int64_t>();
+        up.sort_out.loads = expert_loads_.data_ptr<std::int64_t>();
+        up.sort_out.loads_n = sort->decode ? 2 : 1;
+      }
       down.y_f32 = fp32_residual_inputs(); // the fused mix adds it into the residual
       at::Tensor act = at::empty({copies, inter_}, bf_);
       at::Tensor ys = at::empty({copies, w.w2.size(1)}, down.y_f32 ? f32_ : bf_);
@@ -318,6 +353,9 @@ at::Tensor fast_rank_forward::expert_projections(const layer_tensors& w, const a
     }
   }
 #endif
+  if (sort != nullptr) // self_sort_fits promised the path above
+    throw std::logic_error("bf16 engine: the in-kernel sort was planned but the tensor-core "
+                           "expert path did not run");
   (void)active;
   // The expert GEMV (few copies per expert) or the grouped GEMM over the sorted copies.
   [[maybe_unused]] const auto gemv = [&](const at::Tensor& in, const at::Tensor* rows,

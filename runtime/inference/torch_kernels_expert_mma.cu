@@ -97,6 +97,44 @@ int mma_smem_bytes(int ksplit) {
 // order, in passes of up to TT * 8 of them (the active/counts/offsets lists unused).
 // Registers: with S == 0, CH 4 holds two 4-chunk stages of two rows (64 registers) and runs one
 // block per SM without spilling; CH 2 and 1 fit two blocks per SM (ptxas -v, sm_90).
+// The in-kernel sort (expert_mma_args::sort_ids): the routed ids and where block 0 of each
+// expert writes bucket's outputs.
+struct sort_args {
+  const i64* ids;
+  int copies, top_k;
+  bucket_out out;
+};
+
+// Block-wide (all threads, e's block): the flat indices of expert e's copies in flat order into
+// sorted_f (at most expert_sort_max_tokens), their count, and the copies of lower experts (e's
+// first sorted position). A count past the buffer traps (the routing gave a token e twice).
+__device__ __forceinline__ void sort_expert(const sort_args& ss, int e, short* sorted_f,
+                                            int* warp_n, int& count, int& less) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  count = 0;
+  less = 0;
+  for (int base = 0; base < ss.copies; base += blockDim.x) {
+    const int f = base + static_cast<int>(threadIdx.x);
+    const int id = f < ss.copies ? static_cast<int>(ss.ids[f]) : -1;
+    const bool mine = id == e;
+    const unsigned bal = __ballot_sync(0xffffffffu, mine);
+    if (lane == 0)
+      warp_n[warp] = __popc(bal);
+    less += __syncthreads_count(f < ss.copies && id < e); // also publishes warp_n
+    int at = count + __popc(bal & ((1u << lane) - 1u));
+    for (int w = 0; w < warp; ++w)
+      at += warp_n[w];
+    for (int w = 0; w < mma_warps; ++w)
+      count += warp_n[w];
+    if (count > expert_sort_max_tokens)
+      __trap();
+    if (mine)
+      sorted_f[at] = static_cast<short>(f);
+    __syncthreads(); // warp_n read before the next round writes it
+  }
+}
+
 template <int CH, bool GLU, int TT, int S>
 __global__ void __launch_bounds__(mma_warps * 32, CH >= 4 && S == 0 ? 1 : 2)
   expert_mma_kernel(const bf16* __restrict__ x, const i64* __restrict__ x_rows,
@@ -104,7 +142,7 @@ __global__ void __launch_bounds__(mma_warps * 32, CH >= 4 && S == 0 ? 1 : 2)
                     const int* __restrict__ active_count, const i64* __restrict__ counts,
                     const int* __restrict__ offsets, void* __restrict__ y_out, int rows,
                     int k, int ksplit, bool evict_first, int dense_count, bool y_f32,
-                    bool early) {
+                    bool early, sort_args ss) {
   // early (S > 0): the weights do not depend on the kernel before this one, so a block
   // starts copying its first stages before waiting for it (griddepcontrol.wait). Experts are
   // then blocks by id (grid y = all experts, an empty one's block leaves after the wait), not
@@ -147,7 +185,28 @@ __global__ void __launch_bounds__(mma_warps * 32, CH >= 4 && S == 0 ? 1 : 2)
         prefetch_stages<CH, S>(ring, wa, wb, lane_k, iters, policy);
     pdl_enter();
   }
-  if (dense_count == 0) {
+  __shared__ short sorted_f[expert_sort_max_tokens];
+  __shared__ int warp_n[mma_warps];
+  const bool self_sorted = by_id && ss.ids != nullptr;
+  if (self_sorted) {
+    int less = 0;
+    sort_expert(ss, e, sorted_f, warp_n, count, less);
+    first = less;
+    if (blockIdx.x == 0) { // bucket's outputs for this expert, for the kernels after this one
+      if (threadIdx.x == 0) {
+        ss.out.counts[e] = count;
+        ss.out.offsets[e] = less + count;
+      }
+      for (int i = threadIdx.x; i < count; i += blockDim.x)
+        ss.out.inverse[sorted_f[i]] = less + i;
+      if (count > 0 && static_cast<int>(threadIdx.x) < ss.out.loads_n)
+        atomicAdd(reinterpret_cast<unsigned long long*>(ss.out.loads + threadIdx.x), 1ull);
+    }
+    if (count == 0) {
+      asm volatile("cp.async.wait_all;" ::: "memory");
+      return; // the whole block: after the sort's barriers, before any other
+    }
+  } else if (dense_count == 0) {
     count = static_cast<int>(counts[e]);
     first = offsets[e] - count;
     if (count == 0) { // an empty expert's block (by id): its prefetch is dropped
@@ -158,7 +217,13 @@ __global__ void __launch_bounds__(mma_warps * 32, CH >= 4 && S == 0 ? 1 : 2)
   for (int base = 0; base < count; base += 8 * TT) {
     const int tiles = min(TT, (count - base + 7) / 8);
     const bf16* xr[TT];
-    token_rows<TT>(x, x_rows, first, base, count, k, lane_k, xr);
+    if (self_sorted) // the copy's token: its flat index / top_k (bucket's src_token)
+#pragma unroll
+      for (int tt = 0; tt < TT; ++tt)
+        xr[tt] = x + static_cast<i64>(sorted_f[min(base + tt * 8 + g, count - 1)] / ss.top_k) * k
+                 + lane_k;
+    else
+      token_rows<TT>(x, x_rows, first, base, count, k, lane_k, xr);
     float acc[TT][4] = {};
     if (live)
       weight_pass<CH, TT, S>(xr, tiles, wa, wb, lane_k, iters, policy, ring, acc,
@@ -231,7 +296,8 @@ void launch_mma(const expert_mma_args& a, int ksplit, int grid_y, int dense_coun
               grid, dim3(mma_warps * 32), mma_smem_bytes<CH, TT, S>(ksplit), s,
               static_cast<const bf16*>(a.x), a.x_rows, static_cast<const bf16*>(a.w), a.active,
               a.active_count, a.counts, a.offsets, a.y, a.rows, a.k, ksplit, a.evict_first,
-              dense_count, a.y_f32 && !GLU, a.early);
+              dense_count, a.y_f32 && !GLU, a.early,
+              sort_args{a.sort_ids, a.sort_copies, a.sort_top_k, a.sort_out});
 }
 
 template <int CH, bool GLU, int TT>
@@ -295,6 +361,21 @@ bool expert_mma_supported(const expert_mma_args& a) { return expert_mma_ksplit(a
 
 void expert_mma(const expert_mma_args& a, int copies, int experts, int ksplit, void* stream) {
   check_ksplit(a, ksplit);
+  if (a.sort_ids != nullptr) {
+    const auto& o = a.sort_out;
+    if (!a.early || !a.glu || a.persistent || a.stages == 0)
+      throw std::invalid_argument("expert_mma: the in-kernel sort needs the early gate_up with "
+                                  "cp.async stages, not persistent");
+    if (a.sort_top_k < 1 || a.sort_copies < 1 || a.sort_copies % a.sort_top_k != 0
+        || a.sort_copies / a.sort_top_k > expert_sort_max_tokens)
+      throw std::invalid_argument("expert_mma: the in-kernel sort of " + std::to_string(a.sort_copies)
+                                  + " copies, top " + std::to_string(a.sort_top_k) + " (at most "
+                                  + std::to_string(expert_sort_max_tokens) + " tokens)");
+    if (o.counts == nullptr || o.offsets == nullptr || o.inverse == nullptr
+        || (o.loads_n > 0 && o.loads == nullptr) || o.loads_n < 0 || o.loads_n > mma_warps * 32)
+      throw std::invalid_argument("expert_mma: the in-kernel sort's outputs (counts, offsets, "
+                                  "inverse, loads) are missing");
+  }
   const int bound = copies < experts ? copies : experts;
   if (bound < 1)
     return;
