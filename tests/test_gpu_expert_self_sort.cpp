@@ -1,4 +1,4 @@
-// The gate_up kernel sorting the routed copies itself (expert_mma_args::sort_ids, label gpu)
+// The gate_up kernel sorting the routed copies itself (expert_mma_args::sort, label gpu)
 // instead of the bucket kernel before it: bucket's counts, offsets and inverse (against the
 // host's stable counting sort) and its expert-load counts, and the same activations, then the
 // same down projection, bit for bit, as bucket + expert_mma; at each staging and k-split, over
@@ -89,10 +89,10 @@ TEST(GpuExpertSelfSort, GateUpSortsAsBucketDoesAndComputesTheSameBits) {
         down.glu = false;
         down.y = ys.p;
         if (in_kernel) {
-          up.sort_ids = d_ids.p;
-          up.sort_copies = copies;
-          up.sort_top_k = top_k;
-          up.sort_out = self.out();
+          up.sort.ids = d_ids.p;
+          up.sort.copies = copies;
+          up.sort.top_k = top_k;
+          up.sort.out = self.out();
         }
         EXPECT_EQ(kernels::expert_mma_ksplit(up, copies, experts, ksplit), ksplit) << where;
         kernels::expert_mma(up, copies, experts, ksplit, nullptr);
@@ -127,9 +127,9 @@ TEST(GpuExpertSelfSort, WhatTheInKernelSortCannotDoIsRefusedByName) {
     {"down", "needs the early gate_up", [](kernels::expert_mma_args& a) { a.glu = false; }},
     {"persistent", "not persistent", [](kernels::expert_mma_args& a) { a.persistent = true; }},
     {"too many tokens", "at most 256 tokens",
-     [](kernels::expert_mma_args& a) { a.sort_copies = 257 * a.sort_top_k; }},
+     [](kernels::expert_mma_args& a) { a.sort.copies = 257 * a.sort.top_k; }},
     {"no inverse", "outputs (counts, offsets, inverse, loads) are missing",
-     [](kernels::expert_mma_args& a) { a.sort_out.inverse = nullptr; }},
+     [](kernels::expert_mma_args& a) { a.sort.out.inverse = nullptr; }},
   };
   for (const refused& r : cases) {
     kernels::expert_mma_args a;
@@ -139,10 +139,10 @@ TEST(GpuExpertSelfSort, WhatTheInKernelSortCannotDoIsRefusedByName) {
     a.max_chunks = 2;
     a.stages = 4;
     a.early = true;
-    a.sort_ids = d_ids.p;
-    a.sort_copies = copies;
-    a.sort_top_k = top_k;
-    a.sort_out = self.out();
+    a.sort.ids = d_ids.p;
+    a.sort.copies = copies;
+    a.sort.top_k = top_k;
+    a.sort.out = self.out();
     r.change(a);
     try {
       kernels::expert_mma(a, copies, experts, 1, nullptr);

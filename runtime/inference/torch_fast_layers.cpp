@@ -332,14 +332,14 @@ at::Tensor fast_rank_forward::expert_projections(const layer_tensors& w, const a
       up.persistent = mma_persistent_ == 1 && ks_up == 1;
       down.persistent = mma_persistent_ != 0 && ks_down == 1;
       if (sort != nullptr) { // bucket did not run: gate_up sorts and writes its outputs
-        up.sort_ids = sort->ids->data_ptr<std::int64_t>();
-        up.sort_copies = c;
-        up.sort_top_k = static_cast<int>(top_k_);
-        up.sort_out.counts = counts.data_ptr<std::int64_t>();
-        up.sort_out.offsets = offsets.data_ptr<int>();
-        up.sort_out.inverse = sort->inverse->data_ptr<std::int64_t>();
-        up.sort_out.loads = expert_loads_.data_ptr<std::int64_t>();
-        up.sort_out.loads_n = sort->decode ? 2 : 1;
+        up.sort.ids = sort->ids->data_ptr<std::int64_t>();
+        up.sort.copies = c;
+        up.sort.top_k = static_cast<int>(top_k_);
+        up.sort.out.counts = counts.data_ptr<std::int64_t>();
+        up.sort.out.offsets = offsets.data_ptr<int>();
+        up.sort.out.inverse = sort->inverse->data_ptr<std::int64_t>();
+        up.sort.out.loads = expert_loads_.data_ptr<std::int64_t>();
+        up.sort.out.loads_n = sort->decode ? 2 : 1;
       }
       down.y_f32 = fp32_residual_inputs(); // the fused mix adds it into the residual
       at::Tensor act = at::empty({copies, inter_}, bf_);

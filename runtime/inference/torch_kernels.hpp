@@ -150,6 +150,19 @@ void expert_gemv(const gemv_args& args, void* stream);
 // k of 32); expert_mma_supported: some k-split fits. max_chunks (4, 2 or 1)
 // bounds the 16-byte weight chunks a lane holds per row and k-step (registers vs. bytes in
 // flight).
+// The counting sort done by the early gate_up kernel itself (expert_mma_args::sort): ids the
+// flat routed ids [copies] (top_k a token, at most expert_sort_max_tokens tokens); each block
+// finds its expert's copies (stable, in flat order) and block 0 of each expert writes what
+// bucket would into out's counts, offsets, inverse and loads (order, src_token and active are
+// left alone), for the kernels after it.
+constexpr int expert_sort_max_tokens = 256;
+struct expert_sort_args {
+  const std::int64_t* ids = nullptr;
+  int copies = 0;
+  int top_k = 0;
+  bucket_out out;
+};
+
 struct expert_mma_args {
   const void* x = nullptr;
   const std::int64_t* x_rows = nullptr;
@@ -181,18 +194,10 @@ struct expert_mma_args {
   // unused). The sums are the block-per-expert kernel's at k-split 1, bit for bit.
   bool persistent = false;
   int max_blocks = 0; // persistent: at most this many blocks (0: as many as fit at once)
-  // The counting sort in the kernel instead of bucket's (early gate_up at k-split 1, not
-  // persistent): sort_ids the flat routed ids [sort_copies] (sort_top_k a token, at most
-  // expert_sort_max_tokens tokens); each block finds its expert's copies itself (stable, in
-  // flat order) and block 0 of each expert writes what bucket would into sort_out's counts,
-  // offsets, inverse and loads (order, src_token and active are left alone), for the kernels
-  // after it. counts, offsets and x_rows above are then unused.
-  const std::int64_t* sort_ids = nullptr;
-  int sort_copies = 0;
-  int sort_top_k = 0;
-  bucket_out sort_out;
+  // The counting sort in the kernel instead of bucket's (sort.ids set; the early gate_up, not
+  // persistent); counts, offsets and x_rows above are then unused.
+  expert_sort_args sort;
 };
-constexpr int expert_sort_max_tokens = 256;
 bool expert_mma_supported(const expert_mma_args& args);
 int expert_mma_ksplit(const expert_mma_args& args, int copies, int experts, int wanted);
 void expert_mma(const expert_mma_args& args, int copies, int experts, int ksplit, void* stream);

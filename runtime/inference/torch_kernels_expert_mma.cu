@@ -81,34 +81,10 @@ int mma_smem_bytes(int ksplit) {
   return ring_bytes<CH, S> + (ksplit > 1 ? mma_reduce_floats<TT> * 4 : 0);
 }
 
-// A dot product may take its k in any order, if A and B take it alike. Thread t of a row group
-// loads CH 16-byte chunks of its two weight rows at k0 + c * 32 + t * 8 (the group's four
-// threads read 64 contiguous bytes of a row per load: whole sectors) and the same chunks of its
-// token's row; chunk (e0..e7) feeds two MMAs, (e0 e1 | e2 e3) as the virtual columns
-// (2t, 2t+1 | 2t+8, 2t+9) and (e4 e5 | e6 e7) likewise, for A and for B.
-//
-// Block (x, y): the y-th non-empty expert (active; early: expert y), warp tiles x * row_warps
-// .. + row_warps (row_warps = 8 / ksplit), each tile's k split over ksplit warps (partial sums
-// added through shared memory, in slice order: deterministic).
-// GLU: tile r holds gate rows 8r..8r+7 (A rows 0..7) and their up rows rows / 2 + 8r.. (A
-// rows 8..15) of w [e, rows, k]; y [m, rows / 2] = silu(gate) * up. Else tile r holds rows
-// 16r..16r+15 of w [e, rows, k]; y [m, rows].
-// Dense mode (dense_count > 0): w is one [rows, k] matrix, x [dense_count, k] its rows in
-// order, in passes of up to TT * 8 of them (the active/counts/offsets lists unused).
-// Registers: with S == 0, CH 4 holds two 4-chunk stages of two rows (64 registers) and runs one
-// block per SM without spilling; CH 2 and 1 fit two blocks per SM (ptxas -v, sm_90).
-// The in-kernel sort (expert_mma_args::sort_ids): the routed ids and where block 0 of each
-// expert writes bucket's outputs.
-struct sort_args {
-  const i64* ids;
-  int copies, top_k;
-  bucket_out out;
-};
-
 // Block-wide (all threads, e's block): the flat indices of expert e's copies in flat order into
 // sorted_f (at most expert_sort_max_tokens), their count, and the copies of lower experts (e's
 // first sorted position). A count past the buffer traps (the routing gave a token e twice).
-__device__ __forceinline__ void sort_expert(const sort_args& ss, int e, short* sorted_f,
+__device__ __forceinline__ void sort_expert(const expert_sort_args& ss, int e, short* sorted_f,
                                             int* warp_n, int& count, int& less) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -135,6 +111,22 @@ __device__ __forceinline__ void sort_expert(const sort_args& ss, int e, short* s
   }
 }
 
+// A dot product may take its k in any order, if A and B take it alike. Thread t of a row group
+// loads CH 16-byte chunks of its two weight rows at k0 + c * 32 + t * 8 (the group's four
+// threads read 64 contiguous bytes of a row per load: whole sectors) and the same chunks of its
+// token's row; chunk (e0..e7) feeds two MMAs, (e0 e1 | e2 e3) as the virtual columns
+// (2t, 2t+1 | 2t+8, 2t+9) and (e4 e5 | e6 e7) likewise, for A and for B.
+//
+// Block (x, y): the y-th non-empty expert (active; early: expert y), warp tiles x * row_warps
+// .. + row_warps (row_warps = 8 / ksplit), each tile's k split over ksplit warps (partial sums
+// added through shared memory, in slice order: deterministic).
+// GLU: tile r holds gate rows 8r..8r+7 (A rows 0..7) and their up rows rows / 2 + 8r.. (A
+// rows 8..15) of w [e, rows, k]; y [m, rows / 2] = silu(gate) * up. Else tile r holds rows
+// 16r..16r+15 of w [e, rows, k]; y [m, rows].
+// Dense mode (dense_count > 0): w is one [rows, k] matrix, x [dense_count, k] its rows in
+// order, in passes of up to TT * 8 of them (the active/counts/offsets lists unused).
+// Registers: with S == 0, CH 4 holds two 4-chunk stages of two rows (64 registers) and runs one
+// block per SM without spilling; CH 2 and 1 fit two blocks per SM (ptxas -v, sm_90).
 template <int CH, bool GLU, int TT, int S>
 __global__ void __launch_bounds__(mma_warps * 32, CH >= 4 && S == 0 ? 1 : 2)
   expert_mma_kernel(const bf16* __restrict__ x, const i64* __restrict__ x_rows,
@@ -142,7 +134,7 @@ __global__ void __launch_bounds__(mma_warps * 32, CH >= 4 && S == 0 ? 1 : 2)
                     const int* __restrict__ active_count, const i64* __restrict__ counts,
                     const int* __restrict__ offsets, void* __restrict__ y_out, int rows,
                     int k, int ksplit, bool evict_first, int dense_count, bool y_f32,
-                    bool early, sort_args ss) {
+                    bool early, expert_sort_args ss) {
   // early (S > 0): the weights do not depend on the kernel before this one, so a block
   // starts copying its first stages before waiting for it (griddepcontrol.wait). Experts are
   // then blocks by id (grid y = all experts, an empty one's block leaves after the wait), not
@@ -296,8 +288,7 @@ void launch_mma(const expert_mma_args& a, int ksplit, int grid_y, int dense_coun
               grid, dim3(mma_warps * 32), mma_smem_bytes<CH, TT, S>(ksplit), s,
               static_cast<const bf16*>(a.x), a.x_rows, static_cast<const bf16*>(a.w), a.active,
               a.active_count, a.counts, a.offsets, a.y, a.rows, a.k, ksplit, a.evict_first,
-              dense_count, a.y_f32 && !GLU, a.early,
-              sort_args{a.sort_ids, a.sort_copies, a.sort_top_k, a.sort_out});
+              dense_count, a.y_f32 && !GLU, a.early, a.sort);
 }
 
 template <int CH, bool GLU, int TT>
@@ -361,15 +352,15 @@ bool expert_mma_supported(const expert_mma_args& a) { return expert_mma_ksplit(a
 
 void expert_mma(const expert_mma_args& a, int copies, int experts, int ksplit, void* stream) {
   check_ksplit(a, ksplit);
-  if (a.sort_ids != nullptr) {
-    const auto& o = a.sort_out;
+  if (a.sort.ids != nullptr) {
+    const auto& o = a.sort.out;
     if (!a.early || !a.glu || a.persistent || a.stages == 0)
       throw std::invalid_argument("expert_mma: the in-kernel sort needs the early gate_up with "
                                   "cp.async stages, not persistent");
-    if (a.sort_top_k < 1 || a.sort_copies < 1 || a.sort_copies % a.sort_top_k != 0
-        || a.sort_copies / a.sort_top_k > expert_sort_max_tokens)
-      throw std::invalid_argument("expert_mma: the in-kernel sort of " + std::to_string(a.sort_copies)
-                                  + " copies, top " + std::to_string(a.sort_top_k) + " (at most "
+    if (a.sort.top_k < 1 || a.sort.copies < 1 || a.sort.copies % a.sort.top_k != 0
+        || a.sort.copies / a.sort.top_k > expert_sort_max_tokens)
+      throw std::invalid_argument("expert_mma: the in-kernel sort of " + std::to_string(a.sort.copies)
+                                  + " copies, top " + std::to_string(a.sort.top_k) + " (at most "
                                   + std::to_string(expert_sort_max_tokens) + " tokens)");
     if (o.counts == nullptr || o.offsets == nullptr || o.inverse == nullptr
         || (o.loads_n > 0 && o.loads == nullptr) || o.loads_n < 0 || o.loads_n > mma_warps * 32)
