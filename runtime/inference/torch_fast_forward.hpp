@@ -291,8 +291,14 @@ private:
                                 const at::Tensor& src_token, const at::Tensor& active,
                                 const in_kernel_sort* sort = nullptr) const;
 #if defined(REFIT_TORCH_CUDA)
-  // Whether expert_projections takes the early tensor-core path (not persistent) for these
-  // copies at TP 1, with REFIT_EXPERT_SELF_SORT on: gate_up may then sort the copies itself.
+  // The tensor-core expert path for these copies (knobs, copy counts, layouts): up and down
+  // with their shapes, staging, early start and persistence, and their k-splits; false where
+  // it does not apply (expert_projections then takes the GEMV or the grouped GEMM).
+  bool expert_mma_plan(const layer_tensors& w, const at::Tensor& h, std::int64_t copies,
+                       kernels::expert_mma_args& up, kernels::expert_mma_args& down, int& ks_up,
+                       int& ks_down) const;
+  // Whether that path runs early and not persistent for these copies at TP 1, with
+  // REFIT_EXPERT_SELF_SORT on: gate_up may then sort the copies itself.
   bool self_sort_fits(const layer_tensors& w, const at::Tensor& h, std::int64_t copies) const;
 #endif
 

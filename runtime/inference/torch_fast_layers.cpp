@@ -271,23 +271,41 @@ at::Tensor fast_rank_forward::experts(const layer_tensors& w, const at::Tensor& 
 }
 
 #if defined(REFIT_TORCH_CUDA)
-bool fast_rank_forward::self_sort_fits(const layer_tensors& w, const at::Tensor& h,
-                                       std::int64_t copies) const {
-  if (expert_self_sort_ == 0 || !fused_ || o_.tp != 1 || mma_early_ == 0 || mma_stages_ == 0
-      || mma_persistent_ == 1 || copies > mma_max_copies_ || copies <= gemv_max_copies_
-      || copies < 4 * experts_ || copies / top_k_ > kernels::expert_sort_max_tokens
-      || !streamable(h) || !streamable(w.w13) || !streamable(w.w2))
+bool fast_rank_forward::expert_mma_plan(const layer_tensors& w, const at::Tensor& h,
+                                        std::int64_t copies, kernels::expert_mma_args& up,
+                                        kernels::expert_mma_args& down, int& ks_up,
+                                        int& ks_down) const {
+  if (!fused_ || copies > mma_max_copies_ || copies <= gemv_max_copies_ || !streamable(h)
+      || !streamable(w.w13) || !streamable(w.w2))
     return false;
-  kernels::expert_mma_args up = tuned_mma_args(), down = up;
+  up = tuned_mma_args();
+  down = up;
   up.rows = static_cast<int>(w.w13.size(1));
   up.k = static_cast<int>(w.w13.size(2));
   up.glu = true;
   down.rows = static_cast<int>(w.w2.size(1));
   down.k = static_cast<int>(w.w2.size(2));
+  // By expert id once nearly every expert is routed (4 copies an expert: ~2% empty).
+  up.early = down.early = up.early && copies >= 4 * experts_;
   const int c = static_cast<int>(copies), e = static_cast<int>(experts_);
   const int wanted = static_cast<int>(mma_ksplit_);
-  return kernels::expert_mma_ksplit(up, c, e, wanted) > 0
-         && kernels::expert_mma_ksplit(down, c, e, wanted) > 0;
+  ks_up = kernels::expert_mma_ksplit(up, c, e, wanted); // 0: the shape does not fit
+  ks_down = kernels::expert_mma_ksplit(down, c, e, wanted);
+  if (ks_up == 0 || ks_down == 0)
+    return false;
+  up.persistent = mma_persistent_ == 1 && ks_up == 1;
+  down.persistent = mma_persistent_ != 0 && ks_down == 1;
+  return true;
+}
+
+bool fast_rank_forward::self_sort_fits(const layer_tensors& w, const at::Tensor& h,
+                                       std::int64_t copies) const {
+  if (expert_self_sort_ == 0 || o_.tp != 1 || copies / top_k_ > kernels::expert_sort_max_tokens)
+    return false;
+  kernels::expert_mma_args up, down;
+  int ks_up = 0, ks_down = 0;
+  return expert_mma_plan(w, h, copies, up, down, ks_up, ks_down) && up.early && up.stages != 0
+         && !up.persistent;
 }
 #endif
 
@@ -303,54 +321,40 @@ at::Tensor fast_rank_forward::expert_projections(const layer_tensors& w, const a
                                                  const at::Tensor& active,
                                                  const in_kernel_sort* sort) const {
 #if defined(REFIT_TORCH_CUDA)
-  if (fused_ && active.defined() && copies <= mma_max_copies_ && copies > gemv_max_copies_
-      && streamable(h) && streamable(w.w13) && streamable(w.w2)) {
-    kernels::expert_mma_args up = tuned_mma_args(), down = up;
+  kernels::expert_mma_args up, down;
+  int ks_up = 0, ks_down = 0;
+  if (active.defined() && expert_mma_plan(w, h, copies, up, down, ks_up, ks_down)) {
+    const int c = static_cast<int>(copies);
+    const int e = static_cast<int>(experts_);
     up.x = h.data_ptr();
     up.x_rows = src_token.data_ptr<std::int64_t>();
     up.w = w.w13.data_ptr();
-    up.rows = static_cast<int>(w.w13.size(1));
-    up.k = static_cast<int>(w.w13.size(2));
-    up.glu = true;
     down.w = w.w2.data_ptr();
-    down.rows = static_cast<int>(w.w2.size(1));
-    down.k = static_cast<int>(w.w2.size(2));
     for (kernels::expert_mma_args* a : {&up, &down}) {
-      // By expert id once nearly every expert is routed (4 copies an expert: ~2% empty).
-      a->early = a->early && copies >= 4 * experts_;
       a->active = active.data_ptr<int>();
       a->active_count = active.data_ptr<int>() + experts_;
       a->counts = counts.data_ptr<std::int64_t>();
       a->offsets = offsets.data_ptr<int>();
     }
-    const int c = static_cast<int>(copies);
-    const int e = static_cast<int>(experts_);
-    const int wanted = static_cast<int>(mma_ksplit_);
-    const int ks_up = kernels::expert_mma_ksplit(up, c, e, wanted); // 0: the shape does not fit
-    const int ks_down = kernels::expert_mma_ksplit(down, c, e, wanted);
-    if (ks_up > 0 && ks_down > 0) {
-      up.persistent = mma_persistent_ == 1 && ks_up == 1;
-      down.persistent = mma_persistent_ != 0 && ks_down == 1;
-      if (sort != nullptr) { // bucket did not run: gate_up sorts and writes its outputs
-        up.sort.ids = sort->ids->data_ptr<std::int64_t>();
-        up.sort.copies = c;
-        up.sort.top_k = static_cast<int>(top_k_);
-        up.sort.out.counts = counts.data_ptr<std::int64_t>();
-        up.sort.out.offsets = offsets.data_ptr<int>();
-        up.sort.out.inverse = sort->inverse->data_ptr<std::int64_t>();
-        up.sort.out.loads = expert_loads_.data_ptr<std::int64_t>();
-        up.sort.out.loads_n = sort->decode ? 2 : 1;
-      }
-      down.y_f32 = fp32_residual_inputs(); // the fused mix adds it into the residual
-      at::Tensor act = at::empty({copies, inter_}, bf_);
-      at::Tensor ys = at::empty({copies, w.w2.size(1)}, down.y_f32 ? f32_ : bf_);
-      up.y = act.data_ptr();
-      down.x = act.data_ptr();
-      down.y = ys.data_ptr();
-      kernels::expert_mma(up, c, e, ks_up, stream());
-      kernels::expert_mma(down, c, e, ks_down, stream());
-      return ys;
+    if (sort != nullptr) { // bucket did not run: gate_up sorts and writes its outputs
+      up.sort.ids = sort->ids->data_ptr<std::int64_t>();
+      up.sort.copies = c;
+      up.sort.top_k = static_cast<int>(top_k_);
+      up.sort.out.counts = counts.data_ptr<std::int64_t>();
+      up.sort.out.offsets = offsets.data_ptr<int>();
+      up.sort.out.inverse = sort->inverse->data_ptr<std::int64_t>();
+      up.sort.out.loads = expert_loads_.data_ptr<std::int64_t>();
+      up.sort.out.loads_n = sort->decode ? 2 : 1;
     }
+    down.y_f32 = fp32_residual_inputs(); // the fused mix adds it into the residual
+    at::Tensor act = at::empty({copies, inter_}, bf_);
+    at::Tensor ys = at::empty({copies, w.w2.size(1)}, down.y_f32 ? f32_ : bf_);
+    up.y = act.data_ptr();
+    down.x = act.data_ptr();
+    down.y = ys.data_ptr();
+    kernels::expert_mma(up, c, e, ks_up, stream());
+    kernels::expert_mma(down, c, e, ks_down, stream());
+    return ys;
   }
 #endif
   if (sort != nullptr) // self_sort_fits promised the path above
