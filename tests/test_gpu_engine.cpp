@@ -291,40 +291,6 @@ TEST(GpuEngine, CudaGraphReplayOfPersistentExpertsEqualsEagerAndIsDeterministic)
                                           {"REFIT_ROUTE_BUCKET_MAX_TOKENS", "256"}});
 }
 
-// Decode steps that prefetch weights into L2 on a side stream (every REFIT_L2_PREFETCH bit)
-// sample, bit for bit, what steps without it sample, graphed and eager; the prefetch kernels
-// ran: 3 a layer but the last's 2 (no next qkv) in each decode step, a captured graph's at each
-// replay and its warm-up's once.
-TEST(GpuEngine, L2PrefetchOnASideStreamLeavesEveryDecodeStepBitwiseUnchanged) {
-  REQUIRE_GPU();
-  const auto cfg = refit::testing::tiny_model();
-  const auto w = engine_synthetic(cfg);
-  const std::uint64_t per_step = 3 * std::uint64_t{cfg.num_hidden_layers} - 1;
-  gpu_memory mem;
-  for (const bool graphs : {true, false}) {
-    SCOPED_TRACE(graphs ? "graphed" : "eager");
-    std::vector<inf::sampled_token> runs[2];
-    for (const int on : {0, 1}) {
-      const scoped_env env(env_vars{{"REFIT_L2_PREFETCH", on == 1 ? "31" : "0"}});
-      auto rig = gpu_rig(mem, cfg, w, model::dtype::bfloat16, 8, 64, graphs);
-      decode_fixture f(rig);
-      inf::sampling_config p;
-      p.temperature = 1.0f;
-      p.seed = 5;
-      runs[on] = f.run(p, 20);
-      const auto c = rig.forward->counters();
-      const std::uint64_t steps = graphs ? c.graph_replays + c.graph_captures : 20;
-      EXPECT_EQ(c.graph_replays, graphs ? 20u : 0u);
-      EXPECT_EQ(c.l2_prefetches, on == 1 ? steps * per_step : 0u);
-    }
-    ASSERT_EQ(runs[0].size(), runs[1].size());
-    for (std::size_t i = 0; i < runs[0].size(); ++i) {
-      EXPECT_EQ(runs[0][i].token, runs[1][i].token) << "the prefetch changed token " << i;
-      EXPECT_EQ(runs[0][i].logprob, runs[1][i].logprob) << "the prefetch changed logprob " << i;
-    }
-  }
-}
-
 // A GPU engine over the tiny model's residents (the bf16 engine, CUDA graphs on).
 struct gpu_generator {
   gpu_generator(std::uint32_t max_batch, std::uint32_t blocks, bool pipeline)

@@ -167,7 +167,6 @@ struct forward_counters {
   std::uint64_t expert_loads = 0;        // sum over forwards and layers of distinct routed experts
   std::uint64_t decode_expert_loads = 0; // the same over decode forwards (one token per item)
   std::uint64_t peak_workspace_bytes = 0; // device memory the engine allocated beyond weights/KV
-  std::uint64_t l2_prefetches = 0; // L2 prefetch kernels the decode steps ran (a replay, its graph's)
   bool counts_experts = false;            // the expert_loads fields are counted
 };
 

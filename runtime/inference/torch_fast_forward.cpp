@@ -85,7 +85,6 @@ fast_rank_forward::fast_rank_forward(const rank_forward_options& o)
 #if defined(REFIT_TORCH_CUDA)
   if (device_.is_cuda()) {
     stream_.emplace(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device_.index()));
-    side_stream_.emplace(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device_.index()));
     c10::cuda::CUDACachingAllocator::resetPeakStats(device_.index());
     baseline_bytes_ = allocated_bytes();
   }
@@ -124,9 +123,6 @@ fast_rank_forward::fast_rank_forward(const rank_forward_options& o)
   dense_mma_max_rows_ = count_knob("REFIT_DENSE_MMA_MAX_ROWS", dense_mma_max_rows_, "rows", 64);
   router_mma_max_rows_ =
     count_knob("REFIT_ROUTER_MMA_MAX_ROWS", router_mma_max_rows_, "rows", 128); // dense_mma_max_rows
-  l2_prefetch_ = count_knob("REFIT_L2_PREFETCH", l2_prefetch_, "prefetch bits", 31);
-  l2_up_mb_ = count_knob("REFIT_L2_PREFETCH_UP_MB", l2_up_mb_, "MiB", 1024);
-  l2_down_mb_ = count_knob("REFIT_L2_PREFETCH_DOWN_MB", l2_down_mb_, "MiB", 1024);
   [[maybe_unused]] const bool programmatic = choice_knob("REFIT_PDL", {"0", "1"}, 1) == 1;
 #if defined(REFIT_TORCH_CUDA)
   if (device_.is_cuda())
@@ -482,12 +478,9 @@ at::Tensor fast_rank_forward::run_graph(const std::vector<forward_item>& items, 
     const at::Tensor counted = expert_loads_.clone();
     model(slot->in, kv_base, nullptr, slot->picked, true);
     expert_loads_.copy_(counted);
-    const std::uint64_t prefetches = counters_.l2_prefetches;
     slot->graph.capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
     try {
       slot->logits = model(slot->in, kv_base, nullptr, slot->picked, true);
-      slot->l2_prefetches = counters_.l2_prefetches - prefetches; // counted at each replay
-      counters_.l2_prefetches = prefetches;
     } catch (...) {
       // A failed step (e.g. the TP group aborted): end the capture so the stream is usable,
       // and drop the half-captured graph.
@@ -503,7 +496,6 @@ at::Tensor fast_rank_forward::run_graph(const std::vector<forward_item>& items, 
   }
   slot->graph.replay();
   ++counters_.graph_replays;
-  counters_.l2_prefetches += slot->l2_prefetches;
   return slot->logits.narrow(0, 0, real);
 #else
   return run_eager(items, kv_base, logits_rows::last_token, feed);

@@ -229,12 +229,6 @@ private:
   // expert_mma_args with the knobs' staging set (chunks, L2 policy, stages, early start): what
   // the expert projections and the dense mode share.
   kernels::expert_mma_args tuned_mma_args() const;
-  // Decode (l2_prefetch_ on): the first `cap` bytes of each weight (null: none) prefetched into
-  // L2 by kernels::l2_prefetch on side_stream_, after the work enqueued so far on the engine's
-  // stream and beside what follows it; join_l2 makes the engine's stream wait for them (before
-  // the step's end: a captured graph joins every stream it forked).
-  void prefetch_l2(std::initializer_list<std::pair<const at::Tensor*, std::int64_t>> heads);
-  void join_l2();
 #endif
 
   at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) const;
@@ -358,7 +352,6 @@ private:
     step_inputs in;
     at::Tensor picked;
     at::Tensor logits; // the graph's output
-    std::uint64_t l2_prefetches = 0; // captured prefetch_l2 kernels
     std::byte* kv_base = nullptr;
   };
 
@@ -469,20 +462,8 @@ private:
   std::int64_t attention_splits_ = 0;
   // Pipelined decode steps (REFIT_PIPELINE_DECODE, 0 turns it off for comparison).
   std::int64_t pipeline_decode_ = 1;
-  // Decode steps prefetch weights into L2 while latency-bound kernels run (REFIT_L2_PREFETCH,
-  // bits; 0 off): 1 the next layer's qkv during the expert mix, 2 o_proj during attention,
-  // 4 / 8 the first REFIT_L2_PREFETCH_UP_MB / _DOWN_MB MiB of the routed experts' gate_up /
-  // down (the blocks of the lowest expert ids read them first) during routing, 16 the next
-  // layer's qkv during routing (the experts' evict-first stream leaves it in L2).
-  std::int64_t l2_prefetch_ = 0;
-  std::int64_t l2_up_mb_ = 24;
-  std::int64_t l2_down_mb_ = 8;
 #if defined(REFIT_TORCH_CUDA)
   std::optional<c10::cuda::CUDAStream> stream_;
-  std::optional<c10::cuda::CUDAStream> side_stream_; // l2_prefetch_'s kernels
-  at::cuda::CUDAEvent l2_fork_, l2_join_;
-  bool l2_pending_ = false;                  // side_stream_ has work the step has not joined
-  const at::Tensor* l2_next_qkv_ = nullptr; // the next layer's qkv weight (decode), or null
   std::int64_t baseline_bytes_ = 0;
   std::map<std::pair<std::int64_t, std::int64_t>, std::unique_ptr<graph_entry>> graphs_;
   std::uint64_t graphs_epoch_ = 0; // the comm's device_epoch() the graphs were captured in

@@ -64,24 +64,10 @@ at::Tensor fast_rank_forward::model(const step_inputs& in, std::byte* kv_base, c
     sin = sin_.index_select(0, in.positions).unsqueeze(1);
   }
   at::Tensor next; // the next layer's normed input, when the fused mix computed it
-#if defined(REFIT_TORCH_CUDA)
-  const bool l2 = decode && fused_ && l2_prefetch_ != 0;
-  const auto bit = [&](int b) { return l2 && (l2_prefetch_ & b) != 0; };
-  constexpr std::int64_t all = std::numeric_limits<std::int64_t>::max();
-  constexpr std::int64_t mib = std::int64_t{1} << 20;
-  l2_pending_ = false;
-#endif
   for (std::uint32_t layer = 0; layer < cfg_.num_hidden_layers; ++layer) {
     const layer_tensors& w = layers_[layer];
     at::Tensor h = next.defined() ? next : norm_bf16(x, w.input_norm);
     const at::Tensor qkv = linear(h, w.qkv);
-#if defined(REFIT_TORCH_CUDA)
-    const at::Tensor* next_qkv =
-      layer + 1 < cfg_.num_hidden_layers ? &layers_[layer + 1].qkv : nullptr;
-    l2_next_qkv_ = bit(1) ? next_qkv : nullptr; // experts() prefetches it before the mix
-    if (bit(2))
-      prefetch_l2({{&w.o, all}});
-#endif
     at::Tensor kc = kv_view(kv_base, layer, 0);
     at::Tensor vc = kv_view(kv_base, layer, 1);
     at::Tensor attn;
@@ -101,22 +87,12 @@ at::Tensor fast_rank_forward::model(const step_inputs& in, std::byte* kv_base, c
       attn = decode ? decode_attention(q, kc, vc, in) : prefill_attention(q, k, v, kc, vc, *items);
     }
     const at::Tensor out = fp32_residual_inputs() ? linear_f32(attn, w.o) : linear(attn, w.o);
-#if defined(REFIT_TORCH_CUDA)
-    if (bit(4) || bit(8) || bit(16))
-      prefetch_l2({{bit(4) ? &w.w13 : nullptr, l2_up_mb_ * mib},
-                   {bit(8) ? &w.w2 : nullptr, l2_down_mb_ * mib},
-                   {bit(16) ? next_qkv : nullptr, all}});
-#endif
     at::Tensor router_in;
     h = add_norm_bf16(x, out, w.post_norm, &router_in);
     const bool last = layer + 1 == cfg_.num_hidden_layers;
     next = experts(w, h, decode, x, last ? nullptr : &layers_[layer + 1].input_norm, router_in);
   }
 
-#if defined(REFIT_TORCH_CUDA)
-  l2_next_qkv_ = nullptr;
-  join_l2();
-#endif
   const at::Tensor xf = norm_bf16(x.index_select(0, picked).contiguous(), final_norm_);
   at::Tensor local;
 #if defined(REFIT_HAVE_MM_DTYPE)
@@ -269,8 +245,6 @@ at::Tensor fast_rank_forward::experts(const layer_tensors& w, const at::Tensor& 
   const at::Tensor ys = expert_projections(w, h, copies, chosen, counts, offsets, order,
                                            src_token, active, self_sort ? &sort : nullptr);
 #if defined(REFIT_TORCH_CUDA)
-  if (l2_next_qkv_ != nullptr) // the next layer's qkv weight, beside the mix
-    prefetch_l2({{l2_next_qkv_, std::numeric_limits<std::int64_t>::max()}});
   if (fused_ && o_.tp == 1) {
     if (!inverse.defined())
       inverse = at::empty_like(order).index_copy_(0, order, at::arange(copies, i64_));
@@ -455,37 +429,6 @@ at::Tensor fast_rank_forward::norm_bf16(const at::Tensor& x, const at::Tensor& w
 #endif
   return rms_norm(x, w).to(at::kBFloat16);
 }
-
-#if defined(REFIT_TORCH_CUDA)
-void fast_rank_forward::prefetch_l2(
-  std::initializer_list<std::pair<const at::Tensor*, std::int64_t>> heads) {
-  kernels::l2_range r[kernels::max_l2_ranges];
-  int n = 0;
-  for (const auto& [t, cap] : heads) {
-    if (t == nullptr || n == kernels::max_l2_ranges)
-      continue;
-    const std::int64_t bytes = std::min<std::int64_t>(t->numel() * t->element_size(), cap);
-    if (bytes >= 16)
-      r[n++] = {t->data_ptr(), bytes};
-  }
-  if (n == 0)
-    return;
-  const c10::cuda::CUDAStream main = c10::cuda::getCurrentCUDAStream(device_.index());
-  l2_fork_.record(main);
-  l2_fork_.block(*side_stream_);
-  kernels::l2_prefetch(r, n, side_stream_->stream());
-  l2_pending_ = true;
-  ++counters_.l2_prefetches;
-}
-
-void fast_rank_forward::join_l2() {
-  if (!l2_pending_)
-    return;
-  l2_join_.record(*side_stream_);
-  l2_join_.block(c10::cuda::getCurrentCUDAStream(device_.index()));
-  l2_pending_ = false;
-}
-#endif
 
 at::Tensor fast_rank_forward::add_norm_bf16(at::Tensor& x, const at::Tensor& out, const at::Tensor& w,
                                             at::Tensor* split) {

@@ -4,9 +4,7 @@
 #include "runtime/inference/torch_kernels.hpp"
 #include "runtime/inference/torch_kernels_common.cuh"
 
-#include <algorithm>
 #include <cmath>
-#include <string>
 
 namespace refit::inference::kernels {
 
@@ -149,39 +147,6 @@ __global__ void add_kernel(float* x, const bf16* y, i64 elements) {
     x[idx] += to_f(y[idx]);
 }
 
-// ------------------------------------------------------------------ L2 prefetch
-
-struct l2_ranges {
-  const char* p[max_l2_ranges];
-  i64 bytes[max_l2_ranges];
-  int count;
-};
-constexpr i64 l2_chunk = 16 * 1024;
-
-// Thread t of the grid takes chunks t, t + threads, ... of each range, so the ranges' heads go
-// first.
-__global__ void l2_prefetch_kernel(l2_ranges r) {
-  const i64 threads = static_cast<i64>(gridDim.x) * blockDim.x;
-  const i64 t = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x;
-#pragma unroll
-  for (int i = 0; i < max_l2_ranges; ++i) {
-    if (i >= r.count)
-      break;
-    for (i64 at = t * l2_chunk; at < r.bytes[i]; at += threads * l2_chunk) {
-      const i64 left = r.bytes[i] - at;
-      const unsigned n = static_cast<unsigned>(left < l2_chunk ? left : l2_chunk) & ~15u;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-      if (n != 0)
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(r.p[i] + at), "r"(n)
-                     : "memory");
-#else
-      for (unsigned line = 0; line < n; line += 128)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(r.p[i] + at + line) : "memory");
-#endif
-    }
-  }
-}
-
 } // namespace
 
 void rms_norm(const float* x, const void* w, void* out, int rows, int n, float eps, void* stream) {
@@ -231,29 +196,6 @@ void set_programmatic_launch(bool on) { programmatic_launch.store(on); }
 void add_bf16(float* x, const void* y, std::int64_t elements, void* stream) {
   launch("add_bf16", add_kernel, dim3(grid_for(elements, 256)), dim3(256), as_stream(stream), x,
          static_cast<const bf16*>(y), elements);
-}
-
-void l2_prefetch(const l2_range* ranges, int count, void* stream) {
-  if (count < 0 || count > max_l2_ranges)
-    throw std::invalid_argument("l2_prefetch: " + std::to_string(count) + " ranges (0.."
-                                + std::to_string(max_l2_ranges) + ")");
-  l2_ranges r = {};
-  i64 most = 0;
-  for (int i = 0; i < count; ++i) {
-    if (reinterpret_cast<std::uintptr_t>(ranges[i].p) % 16 != 0 || ranges[i].bytes < 0)
-      throw std::invalid_argument("l2_prefetch: range " + std::to_string(i)
-                                  + " is not 16-byte aligned or has a negative size");
-    r.p[r.count] = static_cast<const char*>(ranges[i].p);
-    r.bytes[r.count++] = ranges[i].bytes & ~i64{15};
-    most = ranges[i].bytes > most ? ranges[i].bytes : most;
-  }
-  if (most < 16)
-    return;
-  const int threads = 32;
-  const i64 chunks = (most + l2_chunk - 1) / l2_chunk;
-  const i64 blocks = std::min<i64>((chunks + threads - 1) / threads, multiprocessors());
-  l2_prefetch_kernel<<<static_cast<unsigned>(blocks), threads, 0, as_stream(stream)>>>(r);
-  check("l2_prefetch");
 }
 
 } // namespace refit::inference::kernels

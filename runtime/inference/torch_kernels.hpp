@@ -42,17 +42,6 @@ inline constexpr std::int64_t max_dense_gemv_rows = 8;
 bool dense_gemv_supported(std::int64_t m, std::int64_t k);
 void dense_gemv(const void* x, const void* w, void* y, int m, int n, int k, void* stream);
 
-// Prefetches the first bytes of up to max_l2_ranges device ranges into L2 (sm_90: bulk
-// prefetches of 16 KiB, no thread waits for the data and nothing is written; before sm_90 a
-// prefetch per 128-byte line). A hint: a later kernel that reads the range finds it in L2 if
-// nothing evicted it first. Launched without programmatic dependence (a side stream's kernel).
-inline constexpr int max_l2_ranges = 4;
-struct l2_range {
-  const void* p = nullptr; // 16-byte aligned
-  std::int64_t bytes = 0;  // rounded down to 16
-};
-void l2_prefetch(const l2_range* ranges, int count, void* stream);
-
 // Programmatic dependent launch of every kernel here (on by default; the engine sets it from
 // REFIT_PDL). Process-wide: it takes effect for launches (and graph captures) after the call.
 void set_programmatic_launch(bool on);
