@@ -852,6 +852,11 @@ TEST(SpawnChild, TheChildEnvironmentHasNoSecrets) {
   EXPECT_TRUE(proc::is_secret_env_name("HF_TOKEN"));
   EXPECT_TRUE(proc::is_secret_env_name("db_password"));
   EXPECT_FALSE(proc::is_secret_env_name("OMP_NUM_THREADS"));
+  EXPECT_TRUE(proc::is_secret_env_name("GITHUB_TOKEN_FILE"));
+  EXPECT_TRUE(proc::is_secret_env_name("refit_token"));
+  EXPECT_TRUE(proc::is_secret_env_name("MAX_TOKENS_TOKEN")); // a TOKEN after the count
+  // A count of tokens reaches the runtime (the engine's knobs were dropped before).
+  EXPECT_FALSE(proc::is_secret_env_name("REFIT_ROUTE_BUCKET_MAX_TOKENS"));
 }
 
 // ---------------------------------------------------------------------------- weight publication

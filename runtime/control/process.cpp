@@ -55,8 +55,13 @@ bool is_secret_env_name(const std::string& name) {
   std::string upper;
   for (char c : name)
     upper.push_back(static_cast<char>(std::toupper(static_cast<unsigned char>(c))));
-  for (const char* word : {"TOKEN", "SECRET", "PASSWORD", "PASSPHRASE"})
+  for (const char* word : {"SECRET", "PASSWORD", "PASSPHRASE"})
     if (upper.find(word) != std::string::npos)
+      return true;
+  // TOKEN, but not TOKENS: a count such as REFIT_ROUTE_BUCKET_MAX_TOKENS is no secret.
+  for (std::size_t at = upper.find("TOKEN"); at != std::string::npos;
+       at = upper.find("TOKEN", at + 1))
+    if (at + 5 == upper.size() || upper[at + 5] != 'S')
       return true;
   return false;
 }

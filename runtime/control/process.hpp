@@ -21,7 +21,7 @@ struct spawn_options {
 };
 
 // Whether an environment variable name looks like it holds a secret: REFIT_TOKEN, or a name
-// containing TOKEN, SECRET, PASSWORD or PASSPHRASE (any case).
+// containing TOKEN (but not as TOKENS, a count), SECRET, PASSWORD or PASSPHRASE (any case).
 bool is_secret_env_name(const std::string& name);
 
 // `env` (NAME=value entries) without the variables named in `scrub` and without secrets.
