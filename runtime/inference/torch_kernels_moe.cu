@@ -4,6 +4,11 @@
 #include "runtime/inference/torch_kernels.hpp"
 #include "runtime/inference/torch_kernels_common.cuh"
 
+#include <cooperative_groups.h>
+
+#include <string>
+#include <type_traits>
+
 namespace refit::inference::kernels {
 
 using namespace detail;
@@ -113,6 +118,156 @@ __global__ void route_f32_kernel(const float* __restrict__ logits, const float* 
   if (token < n)
     route_token(split_logit{logits, lo, experts}, token, experts, top_k, renormalize, ids,
                 weights);
+}
+
+// ------------------------------------------------- residual add + norm + routing
+
+constexpr int anr_tokens = 4;       // tokens a cluster takes
+constexpr int anr_per_warp = 2;     // experts a warp takes
+constexpr int anr_experts = 8 * anr_per_warp; // experts a block of the cluster takes
+constexpr int anr_threads = 256;    // 8 warps of 4 experts; add_rms_norm's block (same sums)
+constexpr int anr_max_hidden = 8192;
+constexpr int anr_batch = 8;        // column chunks of 8 a lane loads before it computes
+
+// Block `rank` of a cluster: x + y of the cluster's tokens into shared memory (their sums of
+// squares as add_rms_norm's block sums them; normed in fp32 as read); warp w dots experts
+// rank * 32 + w * 4 + j (j < 4) with every token, lane l over columns l * 8 + 256 i; the logits
+// to `part`. Block 0 then routes each token (warp t) from every block's `part` and writes x
+// and h; the second cluster barrier keeps the other blocks' shared memory until it has read it.
+template <class Y>
+__global__ void __launch_bounds__(anr_threads)
+  add_norm_route_kernel(float* __restrict__ x, const Y* __restrict__ y,
+                        const bf16* __restrict__ norm_w, const bf16* __restrict__ router_w,
+                        bf16* __restrict__ h, i64* __restrict__ ids, float* __restrict__ weights,
+                        int n, int hidden, int experts, int top_k, bool renormalize, float eps) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // The kernel after this one (the early gate_up, streaming weights before its wait) is let in
+  // only once the logits are done, so its weight stream does not slow the router's reads.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  namespace cg = cooperative_groups;
+  const cg::cluster_group cluster = cg::this_cluster();
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int t0 = static_cast<int>(blockIdx.x / cluster.num_blocks()) * anr_tokens;
+  const int tokens = min(anr_tokens, n - t0);
+  extern __shared__ float4 xs4[]; // [anr_tokens][hidden] fp32
+  float* const xs = reinterpret_cast<float*>(xs4);
+  __shared__ float part[anr_tokens][anr_experts];
+  __shared__ float shared[32];
+  __shared__ float rstd[anr_tokens];
+  for (int t = 0; t < anr_tokens; ++t) {
+    float* const row = xs + static_cast<i64>(t) * hidden;
+    float ss = 0.0f;
+    for (int c = threadIdx.x * 4; c < hidden; c += anr_threads * 4) {
+      float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      if (t < tokens) {
+        const i64 at = static_cast<i64>(t0 + t) * hidden + c;
+        v = *reinterpret_cast<const float4*>(x + at);
+        float yv[4];
+        if constexpr (sizeof(Y) == 4) {
+          const float4 f = *reinterpret_cast<const float4*>(y + at);
+          yv[0] = f.x, yv[1] = f.y, yv[2] = f.z, yv[3] = f.w;
+        } else {
+          const uint2 u = *reinterpret_cast<const uint2*>(y + at);
+          const bf16* yb = reinterpret_cast<const bf16*>(&u);
+          for (int i = 0; i < 4; ++i)
+            yv[i] = to_f(yb[i]);
+        }
+        v.x += yv[0];
+        v.y += yv[1];
+        v.z += yv[2];
+        v.w += yv[3];
+      }
+      *reinterpret_cast<float4*>(row + c) = v;
+      ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    }
+    ss = block_sum(ss, shared);
+    if (threadIdx.x == 0)
+      rstd[t] = rsqrtf(ss / static_cast<float>(hidden) + eps);
+  }
+  __syncthreads();
+  // The logits: each lane's router weights of anr_batch column chunks in flight at once (they
+  // come from DRAM: the experts' stream evicted them), then dotted with the normed rows.
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  float acc[anr_per_warp][anr_tokens] = {};
+  int expert[anr_per_warp];
+  for (int j = 0; j < anr_per_warp; ++j) {
+    expert[j] = rank * anr_experts + warp * anr_per_warp + j;
+    if (expert[j] >= experts)
+      expert[j] = -1;
+  }
+  for (int c0 = lane * 8; c0 < hidden; c0 += 256 * anr_batch) {
+    uint4 u[anr_batch][anr_per_warp];
+#pragma unroll
+    for (int g = 0; g < anr_batch; ++g)
+#pragma unroll
+      for (int j = 0; j < anr_per_warp; ++j) {
+        const int c = c0 + 256 * g;
+        u[g][j] = expert[j] >= 0 && c < hidden
+                    ? __ldg(reinterpret_cast<const uint4*>(
+                        router_w + static_cast<i64>(expert[j]) * hidden + c))
+                    : make_uint4(0u, 0u, 0u, 0u);
+      }
+#pragma unroll
+    for (int g = 0; g < anr_batch; ++g) {
+      const int c = c0 + 256 * g;
+      if (c >= hidden)
+        break;
+      float nw[8];
+      unpack8(*reinterpret_cast<const uint4*>(norm_w + c), nw);
+#pragma unroll
+      for (int t = 0; t < anr_tokens; ++t) {
+        const float* const row = xs + static_cast<i64>(t) * hidden + c;
+        const float4 a = *reinterpret_cast<const float4*>(row);
+        const float4 b = *reinterpret_cast<const float4*>(row + 4);
+        const float r = rstd[t];
+        const float f[8] = {a.x * r * nw[0], a.y * r * nw[1], a.z * r * nw[2], a.w * r * nw[3],
+                            b.x * r * nw[4], b.y * r * nw[5], b.z * r * nw[6], b.w * r * nw[7]};
+#pragma unroll
+        for (int j = 0; j < anr_per_warp; ++j) {
+          float wv[8];
+          unpack8(u[g][j], wv);
+#pragma unroll
+          for (int i = 0; i < 8; ++i)
+            acc[j][t] = fmaf(f[i], wv[i], acc[j][t]);
+        }
+      }
+    }
+  }
+  for (int j = 0; j < anr_per_warp; ++j)
+    for (int t = 0; t < anr_tokens; ++t) {
+      const float v = warp_sum(acc[j][t]);
+      if (lane == 0)
+        part[t][warp * anr_per_warp + j] = v;
+    }
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  cluster.sync(); // every block's logits in its `part`, every block done reading x
+  if (rank == 0) {
+    if (warp < tokens) {
+      const auto logit = [&](int token, int e) {
+        const float* remote = cluster.map_shared_rank(&part[0][0], e / anr_experts);
+        return remote[(token - t0) * anr_experts + e % anr_experts];
+      };
+      route_token(logit, t0 + warp, experts, top_k, renormalize, ids, weights);
+    }
+    for (int t = 0; t < tokens; ++t) {
+      const float* const row = xs + static_cast<i64>(t) * hidden;
+      float* const xr = x + static_cast<i64>(t0 + t) * hidden;
+      bf16* const hr = h + static_cast<i64>(t0 + t) * hidden;
+      const float r = rstd[t];
+      for (int c = threadIdx.x * 4; c < hidden; c += anr_threads * 4) {
+        const float4 v = *reinterpret_cast<const float4*>(row + c);
+        *reinterpret_cast<float4*>(xr + c) = v;
+        const uint2 wv = *reinterpret_cast<const uint2*>(norm_w + c);
+        const bf16* wb = reinterpret_cast<const bf16*>(&wv);
+        __align__(8) bf16 ob[4] = {to_bf(v.x * r * to_f(wb[0])), to_bf(v.y * r * to_f(wb[1])),
+                                   to_bf(v.z * r * to_f(wb[2])), to_bf(v.w * r * to_f(wb[3]))};
+        *reinterpret_cast<uint2*>(hr + c) = *reinterpret_cast<const uint2*>(ob);
+      }
+    }
+  }
+  cluster.sync(); // block 0 has read every block's `part`
+#endif
 }
 
 // ----------------------------------------------------------------- bucket by expert
@@ -368,6 +523,42 @@ void route_f32(const float* logits, const float* lo, int n, int experts, int top
   const int blocks = (n * 32 + threads - 1) / threads;
   launch("route", route_f32_kernel, dim3(blocks), dim3(threads), as_stream(stream), logits, lo, n,
          experts, top_k, renormalize, ids, weights);
+}
+
+bool add_norm_route_supported(int n, int hidden, int experts, int top_k) {
+  static const bool clusters = [] {
+    int device = 0, major = 0;
+    return cudaGetDevice(&device) == cudaSuccess
+           && cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device)
+                == cudaSuccess
+           && major >= 9;
+  }();
+  return clusters && n >= 1 && hidden >= 8 && hidden % 8 == 0 && hidden <= anr_max_hidden
+         && experts <= 8 * anr_experts && route_supported(experts, top_k);
+}
+
+void add_norm_route(const add_norm_route_args& a, void* stream) {
+  if (!add_norm_route_supported(a.n, a.hidden, a.experts, a.top_k))
+    throw std::invalid_argument(
+      "add_norm_route: " + std::to_string(a.n) + " tokens, hidden " + std::to_string(a.hidden)
+      + ", " + std::to_string(a.experts) + " experts, top " + std::to_string(a.top_k)
+      + " (sm_90, hidden a multiple of 8 up to " + std::to_string(anr_max_hidden)
+      + ", what route takes)");
+  const int cluster = (a.experts + anr_experts - 1) / anr_experts;
+  const int groups = (a.n + anr_tokens - 1) / anr_tokens;
+  const int smem = anr_tokens * a.hidden * static_cast<int>(sizeof(float));
+  const dim3 grid(static_cast<unsigned>(groups * cluster));
+  const auto run = [&](auto* y) {
+    using Y = std::remove_const_t<std::remove_pointer_t<decltype(y)>>;
+    launch_cluster("add_norm_route", add_norm_route_kernel<Y>, grid, dim3(anr_threads), smem,
+                   cluster, as_stream(stream), a.x, y, static_cast<const bf16*>(a.norm_w),
+                   static_cast<const bf16*>(a.router_w), static_cast<bf16*>(a.h), a.ids,
+                   a.weights, a.n, a.hidden, a.experts, a.top_k, a.renormalize, a.eps);
+  };
+  if (a.y_f32)
+    run(static_cast<const float*>(a.y));
+  else
+    run(static_cast<const bf16*>(a.y));
 }
 
 bool bucket_supported(int copies, int experts) {
