@@ -114,20 +114,13 @@ TEST(GpuEngine, TensorCoreExpertsInEveryStepComputeWhatTheAtenPathComputes) {
                              {"REFIT_EXPERT_MMA_MAX_COPIES", "4096"}});
 }
 
-// The residual add, norm, router GEMM and routing as three kernels (add_norm_route off).
-TEST(GpuEngine, RoutingWithoutTheOneKernelRouterComputesWhatTheAtenPathComputes) {
-  REQUIRE_GPU();
-  expect_fused_matches_aten({{"REFIT_ROUTER_FUSED_MAX_ROWS", "0"}});
-}
-
 // The experts through the resident-warp kernel (k-split 1 forced, so every step takes it) and
 // routing + the counting sort in one kernel at every row count up to 256.
 TEST(GpuEngine, PersistentExpertsAndOneKernelRoutingComputeWhatTheAtenPathComputes) {
   REQUIRE_GPU();
   expect_fused_matches_aten({{"REFIT_EXPERT_MMA_PERSISTENT", "1"},
                              {"REFIT_EXPERT_MMA_KSPLIT", "1"},
-                             {"REFIT_ROUTE_BUCKET_MAX_TOKENS", "256"},
-                             {"REFIT_ROUTER_FUSED_MAX_ROWS", "0"}});
+                             {"REFIT_ROUTE_BUCKET_MAX_TOKENS", "256"}});
 }
 
 // The router from bf16 h with bf16 logits, the lm_head, o_proj and the experts' down rounded to
@@ -295,8 +288,7 @@ TEST(GpuEngine, CudaGraphReplayOfPersistentExpertsEqualsEagerAndIsDeterministic)
   REQUIRE_GPU();
   expect_graph_replay_equals_eager(true, {{"REFIT_EXPERT_MMA_PERSISTENT", "1"},
                                           {"REFIT_EXPERT_MMA_KSPLIT", "1"},
-                                          {"REFIT_ROUTE_BUCKET_MAX_TOKENS", "256"},
-                                          {"REFIT_ROUTER_FUSED_MAX_ROWS", "0"}});
+                                          {"REFIT_ROUTE_BUCKET_MAX_TOKENS", "256"}});
 }
 
 // A GPU engine over the tiny model's residents (the bf16 engine, CUDA graphs on).

@@ -434,7 +434,7 @@ json generate_bench::run() {
                            "REFIT_ATTENTION_SPLITS", "REFIT_EXPERT_MMA_STAGES",
                            "REFIT_EXPERT_MMA_EARLY", "REFIT_EXPERT_MMA_PERSISTENT",
                            "REFIT_ROUTE_BUCKET_MAX_TOKENS", "REFIT_ROUTER_MMA_MAX_ROWS",
-                           "REFIT_ATTENTION_FUSED_QK", "REFIT_ROUTER_FUSED_MAX_ROWS"})
+                           "REFIT_ATTENTION_FUSED_QK"})
     if (const char* v = std::getenv(knob); v != nullptr)
       out["engine_env"][knob] = v;
   out["compute_dtype"] = cfg_.runtime.compute_dtype;

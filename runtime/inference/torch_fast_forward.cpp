@@ -110,8 +110,6 @@ fast_rank_forward::fast_rank_forward(const rank_forward_options& o)
   expert_self_sort_ = choice_knob("REFIT_EXPERT_SELF_SORT", {"0", "1"}, expert_self_sort_);
   route_bucket_max_tokens_ = count_knob("REFIT_ROUTE_BUCKET_MAX_TOKENS", route_bucket_max_tokens_,
                                         "tokens", 256); // kernels::route_bucket_max_tokens
-  router_fused_max_rows_ =
-    count_knob("REFIT_ROUTER_FUSED_MAX_ROWS", router_fused_max_rows_, "rows", 4096);
   fused_sampling_ = choice_knob("REFIT_FUSED_SAMPLING", {"0", "1"}, fused_sampling_);
   pipeline_decode_ = choice_knob("REFIT_PIPELINE_DECODE", {"0", "1"}, pipeline_decode_);
   router_split_ = choice_knob("REFIT_ROUTER_SPLIT", {"0", "1"}, router_split_);

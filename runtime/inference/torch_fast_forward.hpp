@@ -275,15 +275,9 @@ private:
   // it; otherwise (or on the ATen path) an undefined tensor.
   // router_in (may be undefined): [2n, H] bf16, h's rows then their rounding errors (lo), the
   // router's input at about 16 mantissa bits (add_norm_bf16's split), or fp32 [n, H] (the ATen
-  // path: the norm before its bf16 rounding). With `routed` the tokens are routed already
-  // (add_norm_route) and router_in is unused.
-  struct routing {
-    at::Tensor ids;     // int64 [n, top_k]
-    at::Tensor weights; // fp32 [n, top_k]
-  };
+  // path: the norm before its bf16 rounding).
   at::Tensor experts(const layer_tensors& w, const at::Tensor& h, bool decode, at::Tensor& x,
-                     const at::Tensor* next_norm, const at::Tensor& router_in,
-                     const routing* routed = nullptr);
+                     const at::Tensor* next_norm, const at::Tensor& router_in);
   // The counting sort done by the gate_up kernel instead of bucket (REFIT_EXPERT_SELF_SORT):
   // the routed ids, the inverse it fills (with counts and offsets), decode or not (the loads).
   struct in_kernel_sort {
@@ -319,11 +313,6 @@ private:
   // rows then their rounding errors; else the fp32 norm [n, H].
   at::Tensor add_norm_bf16(at::Tensor& x, const at::Tensor& out, const at::Tensor& w,
                            at::Tensor* split = nullptr);
-  // add_norm_bf16(x, out, w.post_norm) and the router over the fp32 norm, routed, in one kernel
-  // (kernels::add_norm_route) where add_norm_routes(n): the same x and h; `r` gets the routing.
-  bool add_norm_routes(std::int64_t n) const;
-  at::Tensor add_norm_route(at::Tensor& x, const at::Tensor& out, const layer_tensors& w,
-                            routing& r);
 
   // Whether o_proj and the experts' down projection hand fp32 to the residual add (the fused
   // add_rms_norm and mix, TP 1, REFIT_RESIDUAL_FP32): no bf16 rounding of either.
@@ -447,10 +436,6 @@ private:
   // beats cuBLAS (12.72 vs 12.95 ms a step); at 64 (128 rows, two passes) it loses (19.38 vs
   // 18.85).
   std::int64_t router_mma_max_rows_ = 32;
-  // Rows up to which the residual add, the post-attention norm and routing run as one kernel
-  // (add_norm_route; REFIT_ROUTER_FUSED_MAX_ROWS, 0 off) instead of three: add_rms_norm, the
-  // router GEMM over the split input, route_f32.
-  std::int64_t router_fused_max_rows_ = 256;
   // Draws without top-k / top-p by the fused sampler (kernels::sample_plain) instead of the
   // ATen chain (REFIT_FUSED_SAMPLING=0|1).
   std::int64_t fused_sampling_ = 1;

@@ -88,13 +88,9 @@ at::Tensor fast_rank_forward::model(const step_inputs& in, std::byte* kv_base, c
     }
     const at::Tensor out = fp32_residual_inputs() ? linear_f32(attn, w.o) : linear(attn, w.o);
     at::Tensor router_in;
-    routing routed;
-    const bool one_kernel = add_norm_routes(n);
-    h = one_kernel ? add_norm_route(x, out, w, routed)
-                   : add_norm_bf16(x, out, w.post_norm, &router_in);
+    h = add_norm_bf16(x, out, w.post_norm, &router_in);
     const bool last = layer + 1 == cfg_.num_hidden_layers;
-    next = experts(w, h, decode, x, last ? nullptr : &layers_[layer + 1].input_norm, router_in,
-                   one_kernel ? &routed : nullptr);
+    next = experts(w, h, decode, x, last ? nullptr : &layers_[layer + 1].input_norm, router_in);
   }
 
   const at::Tensor xf = norm_bf16(x.index_select(0, picked).contiguous(), final_norm_);
@@ -154,7 +150,7 @@ at::Tensor fast_rank_forward::grouped(const at::Tensor& x, const at::Tensor& w, 
 // The routed experts of h, added into the residual stream x (after the TP all-reduce).
 at::Tensor fast_rank_forward::experts(const layer_tensors& w, const at::Tensor& h, bool decode,
                                       at::Tensor& x, const at::Tensor* next_norm,
-                                      const at::Tensor& router_in, const routing* routed) {
+                                      const at::Tensor& router_in) {
   const std::int64_t n = h.size(0);
   at::Tensor weights; // fp32 [n, k]
   at::Tensor chosen;  // int64 [n * k]
@@ -164,10 +160,7 @@ at::Tensor fast_rank_forward::experts(const layer_tensors& w, const at::Tensor& 
   // stacked rows; fp32 [n, H] on the ATen path), else bf16 from h.
   at::Tensor router_logits;
   bool two_parts = false;
-  if (routed != nullptr) {
-    weights = routed->weights;
-    chosen = routed->ids.reshape({-1});
-  } else if (router_in.defined() && router_in.scalar_type() == at::kFloat) {
+  if (router_in.defined() && router_in.scalar_type() == at::kFloat) {
     router_logits = at::matmul(router_in, w.router.to(at::kFloat).t());
   } else if (router_in.defined()) {
     router_logits = linear_f32(router_in, w.router, router_mma_max_rows_).contiguous();
@@ -198,7 +191,7 @@ at::Tensor fast_rank_forward::experts(const layer_tensors& w, const at::Tensor& 
     b.loads_n = decode ? 2 : 1;
   }
   bool sorted = false; // routed and sorted in one kernel
-  if (routed == nullptr && fused_ && kernels::route_supported(ei, ki)) {
+  if (fused_ && kernels::route_supported(ei, ki)) {
     at::Tensor ids = at::empty({n, top_k_}, i64_);
     weights = at::empty({n, top_k_}, f32_);
     if (router_logits.scalar_type() == at::kFloat) {
@@ -435,48 +428,6 @@ at::Tensor fast_rank_forward::norm_bf16(const at::Tensor& x, const at::Tensor& w
   }
 #endif
   return rms_norm(x, w).to(at::kBFloat16);
-}
-
-bool fast_rank_forward::add_norm_routes(std::int64_t n) const {
-#if defined(REFIT_TORCH_CUDA)
-  return fused_ && o_.tp == 1 && router_split_ != 0 && n <= router_fused_max_rows_
-         && kernels::add_norm_route_supported(static_cast<int>(n), static_cast<int>(hidden_),
-                                              static_cast<int>(experts_),
-                                              static_cast<int>(top_k_));
-#else
-  (void)n;
-  return false;
-#endif
-}
-
-at::Tensor fast_rank_forward::add_norm_route(at::Tensor& x, const at::Tensor& out,
-                                             const layer_tensors& w, routing& r) {
-#if defined(REFIT_TORCH_CUDA)
-  const std::int64_t n = x.size(0);
-  at::Tensor h = at::empty({n, x.size(1)}, bf_);
-  r.ids = at::empty({n, top_k_}, i64_);
-  r.weights = at::empty({n, top_k_}, f32_);
-  kernels::add_norm_route_args a;
-  a.x = x.data_ptr<float>();
-  a.y = out.data_ptr();
-  a.y_f32 = out.scalar_type() == at::kFloat;
-  a.norm_w = w.post_norm.data_ptr();
-  a.router_w = w.router.data_ptr();
-  a.h = h.data_ptr();
-  a.ids = r.ids.data_ptr<std::int64_t>();
-  a.weights = r.weights.data_ptr<float>();
-  a.n = static_cast<int>(n);
-  a.hidden = static_cast<int>(hidden_);
-  a.experts = static_cast<int>(experts_);
-  a.top_k = static_cast<int>(top_k_);
-  a.renormalize = cfg_.norm_topk_prob;
-  a.eps = static_cast<float>(cfg_.rms_norm_eps);
-  kernels::add_norm_route(a, stream());
-  return h;
-#else
-  (void)x, (void)out, (void)w, (void)r;
-  throw std::logic_error("bf16 engine: add_norm_route without CUDA");
-#endif
 }
 
 at::Tensor fast_rank_forward::add_norm_bf16(at::Tensor& x, const at::Tensor& out, const at::Tensor& w,

@@ -89,33 +89,6 @@ void route(const void* logits, int n, int experts, int top_k, bool renormalize,
 void route_f32(const float* logits, const float* lo, int n, int experts, int top_k,
                bool renormalize, std::int64_t* ids, float* weights, void* stream);
 
-// The residual add, the post-attention norm and routing in one kernel: x fp32 [n, hidden] += y
-// (bf16 [n, hidden], fp32 with y_f32) and h bf16 [n, hidden] = RMSNorm(x) . norm_w, both the
-// bits add_rms_norm writes; then the router over the fp32 norm itself (not its bf16 rounding
-// h): logits = normed . router_w^T (router_w bf16 [experts, hidden], fp32 sums) routed as
-// route_f32 routes them (ids int64 [n, top_k], weights fp32 [n, top_k]). A cluster of
-// ceil(experts / 32) blocks takes 4 tokens, each block 32 experts' logits; block 0 gathers them
-// from the cluster's shared memory and routes. Needs sm_90 (clusters), hidden % 8 == 0,
-// hidden <= 8192, experts <= 256.
-struct add_norm_route_args {
-  float* x = nullptr;
-  const void* y = nullptr;
-  bool y_f32 = false;
-  const void* norm_w = nullptr;
-  const void* router_w = nullptr;
-  void* h = nullptr;
-  std::int64_t* ids = nullptr;
-  float* weights = nullptr;
-  int n = 0;
-  int hidden = 0;
-  int experts = 0;
-  int top_k = 0;
-  bool renormalize = false;
-  float eps = 0.0f;
-};
-bool add_norm_route_supported(int n, int hidden, int experts, int top_k);
-void add_norm_route(const add_norm_route_args& args, void* stream);
-
 // Counting sort of the n * top_k routed copies by expert, stable in flat index order:
 // counts int64 [e], offsets int32 [e] (cumulative ends), order int64 [m] (sorted position ->
 // flat index), src_token int64 [m] (= order / top_k), inverse int64 [m] (flat -> sorted),

@@ -199,10 +199,9 @@ inline std::atomic<bool> programmatic_launch{true};
 
 // launch_smem: with `smem` bytes of dynamic shared memory (past 48 KiB the kernel's opt-in
 // attribute is set first: a host-side call, allowed while a graph is captured).
-// launch_cluster: grid.x in clusters of `cluster` blocks (sm_90; 1 is a plain launch).
 template <class... Params, class... Args>
-void launch_cluster(const char* what, void (*kernel)(Params...), dim3 grid, dim3 block, int smem,
-                    int cluster, cudaStream_t s, Args... args) {
+void launch_smem(const char* what, void (*kernel)(Params...), dim3 grid, dim3 block, int smem,
+                 cudaStream_t s, Args... args) {
   if (smem > 48 * 1024) {
     const cudaError_t e =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -216,29 +215,16 @@ void launch_cluster(const char* what, void (*kernel)(Params...), dim3 grid, dim3
   config.blockDim = block;
   config.dynamicSmemBytes = static_cast<size_t>(smem);
   config.stream = s;
-  cudaLaunchAttribute attributes[2] = {};
-  unsigned count = 0;
-  if (programmatic_launch.load(std::memory_order_relaxed)) {
-    attributes[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attributes[count++].val.programmaticStreamSerializationAllowed = 1;
-  }
-  if (cluster > 1) {
-    attributes[count].id = cudaLaunchAttributeClusterDimension;
-    attributes[count++].val.clusterDim = {static_cast<unsigned>(cluster), 1, 1};
-  }
-  config.attrs = attributes;
-  config.numAttrs = count;
+  cudaLaunchAttribute attribute = {};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attribute;
+  config.numAttrs = programmatic_launch.load(std::memory_order_relaxed) ? 1 : 0;
   const cudaError_t e = cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);
   if (e != cudaSuccess)
     throw std::runtime_error(std::string("bf16 engine kernel ") + what + ": "
                              + cudaGetErrorString(e));
   check(what);
-}
-
-template <class... Params, class... Args>
-void launch_smem(const char* what, void (*kernel)(Params...), dim3 grid, dim3 block, int smem,
-                 cudaStream_t s, Args... args) {
-  launch_cluster(what, kernel, grid, block, smem, 1, s, args...);
 }
 
 template <class... Params, class... Args>
