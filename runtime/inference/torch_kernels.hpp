@@ -140,16 +140,6 @@ struct gemv_args {
 bool expert_gemv_supported(std::int64_t copies, std::int64_t k, std::int64_t max_copies);
 void expert_gemv(const gemv_args& args, void* stream);
 
-// The routed copies' projections on the tensor cores, for any number of copies per expert
-// (the weights are streamed once per 32 of an expert's copies): w bf16 [e, rows, k]; the copies
-// sorted by expert (bucket: counts, offsets, active, active_count); x-row(p) as for gemv_args.
-// GLU (gate_up): y bf16 [m, rows / 2] = silu(gate) * up, the gate rows first in w; else
-// y bf16 [m, rows]. ksplit warps share each 16-row tile's k (more blocks for few experts):
-// expert_mma_ksplit picks it (enough blocks to fill the device for copies routed over
-// `experts`), or checks `wanted` (> 0); 0: the shape does not divide (rows a multiple of 16,
-// k of 32); expert_mma_supported: some k-split fits. max_chunks (4, 2 or 1)
-// bounds the 16-byte weight chunks a lane holds per row and k-step (registers vs. bytes in
-// flight).
 // The counting sort done by the early gate_up kernel itself (expert_mma_args::sort): ids the
 // flat routed ids [copies] (top_k a token, at most expert_sort_max_tokens tokens); each block
 // finds its expert's copies (stable, in flat order) and block 0 of each expert writes what
@@ -163,6 +153,16 @@ struct expert_sort_args {
   bucket_out out;
 };
 
+// The routed copies' projections on the tensor cores, for any number of copies per expert
+// (the weights are streamed once per 32 of an expert's copies): w bf16 [e, rows, k]; the copies
+// sorted by expert (bucket: counts, offsets, active, active_count); x-row(p) as for gemv_args.
+// GLU (gate_up): y bf16 [m, rows / 2] = silu(gate) * up, the gate rows first in w; else
+// y bf16 [m, rows]. ksplit warps share each 16-row tile's k (more blocks for few experts):
+// expert_mma_ksplit picks it (enough blocks to fill the device for copies routed over
+// `experts`), or checks `wanted` (> 0); 0: the shape does not divide (rows a multiple of 16,
+// k of 32); expert_mma_supported: some k-split fits. max_chunks (4, 2 or 1)
+// bounds the 16-byte weight chunks a lane holds per row and k-step (registers vs. bytes in
+// flight).
 struct expert_mma_args {
   const void* x = nullptr;
   const std::int64_t* x_rows = nullptr;
