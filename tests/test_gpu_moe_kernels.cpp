@@ -20,7 +20,6 @@
 
 #include "gpu_fixture.hpp"
 #include "gpu_kernel_fixture.hpp"
-#include "expert_projection_fixture.hpp"
 #include "moe_routing_fixture.hpp"
 #include "runtime/bench/device_bucket.hpp"
 #include "runtime/cuda/cuda.hpp"
@@ -36,10 +35,6 @@ using refit::testing::random_bf16;
 using refit::testing::skewed_routing;
 using refit::testing::sorted_copies;
 using refit::testing::to_bf16;
-using refit::testing::host_projection;
-using refit::testing::projection_case;
-using refit::testing::projection_inputs;
-using refit::testing::routed_copies;
 using i64 = std::int64_t;
 
 // Shapes: one round of copies over 64 experts; three rounds (2,400 copies) over 128 (the
@@ -269,6 +264,84 @@ void check_every_staging(kernels::expert_mma_args& a, std::size_t y_elems,
         EXPECT_LT(worst, 0.02) << where;
       }
 }
+
+// x-row(p) . w[e]^T for the sorted copies, fp32 over the bf16 values; GLU: silu(gate) * up.
+std::vector<float> host_projection(const std::vector<std::uint16_t>& x,
+                                   const std::vector<i64>* x_rows,
+                                   const std::vector<std::uint16_t>& w, const sorted_copies& s,
+                                   const std::vector<i64>& ids, int rows, int k, bool glu) {
+  const int cols = glu ? rows / 2 : rows;
+  std::vector<float> y(s.order.size() * static_cast<std::size_t>(cols));
+  for (std::size_t p = 0; p < s.order.size(); ++p) {
+    const i64 e = ids[static_cast<std::size_t>(s.order[p])];
+    const i64 xr = x_rows != nullptr ? (*x_rows)[p] : static_cast<i64>(p);
+    std::vector<double> dot(static_cast<std::size_t>(rows));
+    for (int r = 0; r < rows; ++r) {
+      double acc = 0;
+      for (int c = 0; c < k; ++c)
+        acc += double(from_bf16(x[static_cast<std::size_t>(xr * k + c)]))
+               * from_bf16(w[static_cast<std::size_t>((e * rows + r) * k + c)]);
+      dot[static_cast<std::size_t>(r)] = acc;
+    }
+    for (int c = 0; c < cols; ++c) {
+      const double v = glu ? dot[static_cast<std::size_t>(c)] / (1 + std::exp(-dot[static_cast<std::size_t>(c)]))
+                               * dot[static_cast<std::size_t>(cols + c)]
+                           : dot[static_cast<std::size_t>(c)];
+      y[p * static_cast<std::size_t>(cols) + static_cast<std::size_t>(c)] = static_cast<float>(v);
+    }
+  }
+  return y;
+}
+
+struct projection_case {
+  int rows, k;
+  bool glu;
+};
+
+// One projection case over the sorted routing `want` (gate_up: x of `tokens` rows gathered
+// through src_token; down: x by sorted position), random x and w from `seed`: the host
+// reference and the device inputs, `a` filled but for y (and the staging fields).
+struct projection_inputs {
+  std::vector<std::uint16_t> x, w;
+  std::vector<float> reference;
+  device_vec<std::uint16_t> d_x, d_w;
+  kernels::expert_mma_args a;
+  projection_inputs(const projection_case& pc, int tokens, int experts, const std::vector<i64>& ids,
+                    const sorted_copies& want, const refit::bench::device_bucket& d,
+                    std::uint32_t seed)
+    : x(random_bf16(static_cast<std::size_t>(pc.glu ? tokens : static_cast<int>(ids.size())) * pc.k,
+                    seed, 1.0f)),
+      w(random_bf16(static_cast<std::size_t>(experts) * pc.rows * pc.k, seed + 4,
+                    1.0f / std::sqrt(float(pc.k)))),
+      reference(host_projection(x, pc.glu ? &want.src_token : nullptr, w, want, ids, pc.rows,
+                                pc.k, pc.glu)),
+      d_x(x), d_w(w) {
+    a.x = d_x.p;
+    a.x_rows = pc.glu ? d.src_token.p : nullptr;
+    a.w = d_w.p;
+    a.active = d.active.p;
+    a.active_count = d.active.p + experts;
+    a.counts = d.counts.p;
+    a.offsets = d.offsets.p;
+    a.rows = pc.rows;
+    a.k = pc.k;
+    a.glu = pc.glu;
+  }
+};
+
+// 70 tokens routed top-4 over 32 experts, skewed (expert 0 takes all 70 copies: three passes of
+// up to 32; some experts one copy, a quarter none), sorted on the device by bucket with the
+// expert loads starting at `loads`.
+struct routed_copies {
+  static constexpr int tokens = 70, top_k = 4, experts = 32, copies = tokens * top_k;
+  std::vector<i64> ids = skewed_routing(tokens, top_k, experts, 11);
+  sorted_copies want = host_bucket(ids, top_k, experts);
+  device_vec<i64> d_ids{ids};
+  refit::bench::device_bucket d;
+  explicit routed_copies(const std::vector<i64>& loads) : d(0, copies, experts, loads) {
+    kernels::bucket(d_ids.p, copies, top_k, experts, d.out(), nullptr);
+  }
+};
 
 // gate_up (GLU, x gathered through src_token) and down (x by sorted position), for 70 tokens
 // routed over 32 experts: expert 0 takes all 70 copies (three passes of up to 32), some take

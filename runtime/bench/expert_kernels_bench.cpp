@@ -221,7 +221,6 @@ int main(int argc, char** argv) try {
       int stages;         // expert_mma_args::stages
       bool early;         // expert_mma_args::early
       bool persistent;    // expert_mma_args::persistent (at k-split 1)
-      bool bulk_up = false, bulk_down = false; // expert_mma_args::bulk per projection
     };
     std::vector<variant> variants;
     if (o.engine_paths) {
@@ -229,9 +228,6 @@ int main(int argc, char** argv) try {
         variants.push_back({2, 0, true, 4, true, false});
         variants.push_back({2, 0, true, 4, true, true});
         variants.push_back({2, 0, true, 8, true, true});
-        variants.push_back({2, 0, true, 4, true, false, true, true});
-        variants.push_back({2, 0, true, 4, true, false, true, false});
-        variants.push_back({2, 0, true, 4, true, false, false, true});
       }
     } else {
       for (const int stages : {0, 4, 8})
@@ -245,8 +241,7 @@ int main(int argc, char** argv) try {
         variants.push_back({chunks, 0, true, 4, true, true});
       }
     }
-    for (const auto& [chunks, wanted, evict_first, stages, early, persistent, bulk_up, bulk_down] :
-         variants) {
+    for (const auto& [chunks, wanted, evict_first, stages, early, persistent] : variants) {
       kernels::expert_mma_args up, down;
       up.max_chunks = down.max_chunks = chunks;
       up.evict_first = down.evict_first = evict_first;
@@ -276,15 +271,12 @@ int main(int argc, char** argv) try {
         continue;
       up.persistent = persistent && ks_up == 1;
       down.persistent = persistent && ks_down == 1;
-      up.bulk = bulk_up && kernels::expert_bulk_fits(up);
-      down.bulk = bulk_down && kernels::expert_bulk_fits(down);
       if (persistent && !up.persistent && !down.persistent)
         continue; // no projection at k-split 1: the block-per-expert row already ran
       measure(std::string(wanted == 0 ? "mma auto " : "mma ") + std::to_string(ks_up) + "/"
                 + std::to_string(ks_down) + " c" + std::to_string(chunks) + " s"
                 + std::to_string(stages) + (evict_first ? "" : " l2-normal")
-                + (early ? " early" : "") + (persistent ? " persistent" : "")
-                + (up.bulk ? " bulk-up" : "") + (down.bulk ? " bulk-down" : ""),
+                + (early ? " early" : "") + (persistent ? " persistent" : ""),
               [&](int l) {
                 up.w = w13[static_cast<std::size_t>(l)].p;
                 down.w = w2[static_cast<std::size_t>(l)].p;

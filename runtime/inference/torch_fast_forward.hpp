@@ -416,9 +416,6 @@ private:
   // stream a sequence of expert tiles through one ring of stages (no refill at tile starts);
   // 1: both projections, 2: the down projection only (its tiles are 12 k-steps at decode).
   std::int64_t mma_persistent_ = 0;
-  // expert_mma_args::bulk (REFIT_EXPERT_BULK): the expert weights in whole tiles through
-  // cp.async.bulk (the copy engine) instead of per-lane cp.async, where the shape fits.
-  std::int64_t mma_bulk_ = 0;
   // gate_up sorts the routed copies itself instead of the bucket kernel before it, where
   // self_sort_fits (REFIT_EXPERT_SELF_SORT): its weights stream from the end of routing, not
   // of the sort (H200 batch 64: 18.21 vs 18.40 ms a step in one lease).

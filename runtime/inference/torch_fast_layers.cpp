@@ -293,10 +293,8 @@ bool fast_rank_forward::expert_mma_plan(const layer_tensors& w, const at::Tensor
   ks_down = kernels::expert_mma_ksplit(down, c, e, wanted);
   if (ks_up == 0 || ks_down == 0)
     return false;
-  up.bulk = mma_bulk_ == 1 && kernels::expert_bulk_fits(up);
-  down.bulk = mma_bulk_ == 1 && kernels::expert_bulk_fits(down);
-  up.persistent = !up.bulk && mma_persistent_ == 1 && ks_up == 1;
-  down.persistent = !down.bulk && mma_persistent_ != 0 && ks_down == 1;
+  up.persistent = mma_persistent_ == 1 && ks_up == 1;
+  down.persistent = mma_persistent_ != 0 && ks_down == 1;
   return true;
 }
 

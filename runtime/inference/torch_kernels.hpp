@@ -194,18 +194,11 @@ struct expert_mma_args {
   // unused). The sums are the block-per-expert kernel's at k-split 1, bit for bit.
   bool persistent = false;
   int max_blocks = 0; // persistent: at most this many blocks (0: as many as fit at once)
-  // The block's weights in whole 16-row tiles through cp.async.bulk into a ring of shared
-  // memory, all 8 warps splitting each tile's k (torch_kernels_expert_bulk.cu): the same blocks,
-  // early start and in-kernel sort, not the same k order (not bitwise expert_mma's sums);
-  // `stages`, `max_chunks` and the k-split are then unused. Not with persistent.
-  bool bulk = false;
   // The counting sort in the kernel instead of bucket's (sort.ids set; the early gate_up, not
   // persistent); counts, offsets and x_rows above are then unused.
   expert_sort_args sort;
 };
 bool expert_mma_supported(const expert_mma_args& args);
-// Whether the bulk variant (expert_mma_args::bulk) takes a projection of this shape.
-bool expert_bulk_fits(const expert_mma_args& args);
 int expert_mma_ksplit(const expert_mma_args& args, int copies, int experts, int wanted);
 void expert_mma(const expert_mma_args& args, int copies, int experts, int ksplit, void* stream);
 

@@ -81,6 +81,36 @@ int mma_smem_bytes(int ksplit) {
   return ring_bytes<CH, S> + (ksplit > 1 ? mma_reduce_floats<TT> * 4 : 0);
 }
 
+// Block-wide (all threads, e's block): the flat indices of expert e's copies in flat order into
+// sorted_f (at most expert_sort_max_tokens), their count, and the copies of lower experts (e's
+// first sorted position). A count past the buffer traps (the routing gave a token e twice).
+__device__ __forceinline__ void sort_expert(const expert_sort_args& ss, int e, short* sorted_f,
+                                            int* warp_n, int& count, int& less) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  count = 0;
+  less = 0;
+  for (int base = 0; base < ss.copies; base += blockDim.x) {
+    const int f = base + static_cast<int>(threadIdx.x);
+    const int id = f < ss.copies ? static_cast<int>(ss.ids[f]) : -1;
+    const bool mine = id == e;
+    const unsigned bal = __ballot_sync(0xffffffffu, mine);
+    if (lane == 0)
+      warp_n[warp] = __popc(bal);
+    less += __syncthreads_count(f < ss.copies && id < e); // also publishes warp_n
+    int at = count + __popc(bal & ((1u << lane) - 1u));
+    for (int w = 0; w < warp; ++w)
+      at += warp_n[w];
+    for (int w = 0; w < mma_warps; ++w)
+      count += warp_n[w];
+    if (count > expert_sort_max_tokens)
+      __trap();
+    if (mine)
+      sorted_f[at] = static_cast<short>(f);
+    __syncthreads(); // warp_n read before the next round writes it
+  }
+}
+
 // A dot product may take its k in any order, if A and B take it alike. Thread t of a row group
 // loads CH 16-byte chunks of its two weight rows at k0 + c * 32 + t * 8 (the group's four
 // threads read 64 contiguous bytes of a row per load: whole sectors) and the same chunks of its
@@ -340,12 +370,6 @@ void expert_mma(const expert_mma_args& a, int copies, int experts, int ksplit, v
   const int bound = copies < experts ? copies : experts;
   if (bound < 1)
     return;
-  if (a.bulk) {
-    if (a.persistent)
-      throw std::invalid_argument("expert_mma: bulk and persistent are two ways to stream "
-                                  "the weights: one at a time");
-    return expert_bulk(a, a.early ? experts : bound, as_stream(stream));
-  }
   if (a.persistent) {
     if (ksplit != 1)
       throw std::invalid_argument("expert_mma: persistent with ksplit " + std::to_string(ksplit)

@@ -149,42 +149,8 @@ __device__ __forceinline__ void write_tile(const float (&acc)[TT][4], int tiles,
     }
 }
 
-// Block-wide (all threads, e's block): the flat indices of expert e's copies in flat order into
-// sorted_f (at most expert_sort_max_tokens), their count, and the copies of lower experts (e's
-// first sorted position). A count past the buffer traps (the routing gave a token e twice).
-__device__ __forceinline__ void sort_expert(const expert_sort_args& ss, int e, short* sorted_f,
-                                            int* warp_n, int& count, int& less) {
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  count = 0;
-  less = 0;
-  for (int base = 0; base < ss.copies; base += blockDim.x) {
-    const int f = base + static_cast<int>(threadIdx.x);
-    const int id = f < ss.copies ? static_cast<int>(ss.ids[f]) : -1;
-    const bool mine = id == e;
-    const unsigned bal = __ballot_sync(0xffffffffu, mine);
-    if (lane == 0)
-      warp_n[warp] = __popc(bal);
-    less += __syncthreads_count(f < ss.copies && id < e); // also publishes warp_n
-    int at = count + __popc(bal & ((1u << lane) - 1u));
-    for (int w = 0; w < warp; ++w)
-      at += warp_n[w];
-    for (int w = 0; w < mma_warps; ++w)
-      count += warp_n[w];
-    if (count > expert_sort_max_tokens)
-      __trap();
-    if (mine)
-      sorted_f[at] = static_cast<short>(f);
-    __syncthreads(); // warp_n read before the next round writes it
-  }
-}
-
 // expert_mma at k-split 1 with resident warps (expert_mma_args::persistent;
 // torch_kernels_expert_stream.cu): `chunks` per lane and k-step, experts by id.
 void expert_stream(const expert_mma_args& a, int chunks, int experts, cudaStream_t s);
-
-// expert_mma_args::bulk (torch_kernels_expert_bulk.cu): the stages of `experts` experts (by id
-// when early, else the non-empty list's first ones) over about one block a SM.
-void expert_bulk(const expert_mma_args& a, int experts, cudaStream_t s);
 
 } // namespace refit::inference::kernels::detail
