@@ -1,9 +1,10 @@
 // The gate_up kernel sorting the routed copies itself (expert_mma_args::sort, label gpu)
 // instead of the bucket kernel before it: bucket's counts, offsets and inverse (against the
 // host's stable counting sort) and its expert-load counts, and the same activations, then the
-// same down projection, bit for bit, as bucket + expert_mma; at each staging and k-split, over
-// a skewed routing (an expert of three 32-copy passes, single copies, a quarter empty); then
-// the refusals.
+// same down projection, bit for bit, as bucket + expert_mma; at each staging and k-split and
+// with resident warps (persistent: the block's counts, each warp's list), over a skewed
+// routing (an expert of three 32-copy passes, single copies, a quarter empty); then the
+// refusals.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -54,9 +55,11 @@ TEST(GpuExpertSelfSort, GateUpSortsAsBucketDoesAndComputesTheSameBits) {
     int chunks, stages;
   };
   for (const staging st : {staging{2, 4}, staging{1, 4}, staging{4, 4}, staging{2, 8}})
-    for (const int ksplit : {1, 2}) {
+    for (const int ksplit : {1, 2, 0}) { // 0: k-split 1, resident warps (persistent)
+      const bool persistent = ksplit == 0;
       const std::string where = "chunks " + std::to_string(st.chunks) + " stages "
-                                + std::to_string(st.stages) + " ksplit " + std::to_string(ksplit);
+                                + std::to_string(st.stages) + " ksplit " + std::to_string(ksplit)
+                                + (persistent ? " (persistent)" : "");
       // self: the sort's outputs, poisoned; loads start at 5 and 7.
       refit::bench::device_bucket self(0, copies, experts, {5, 7});
       CUDA_OK(cudaMemset(self.counts.p, 0xff, self.counts.n * 8));
@@ -75,6 +78,7 @@ TEST(GpuExpertSelfSort, GateUpSortsAsBucketDoesAndComputesTheSameBits) {
         up.max_chunks = st.chunks;
         up.stages = st.stages;
         up.early = true;
+        up.persistent = persistent;
         up.active = bucketed.active.p;
         up.active_count = bucketed.active.p + experts;
         up.counts = lists.counts.p;
@@ -94,9 +98,10 @@ TEST(GpuExpertSelfSort, GateUpSortsAsBucketDoesAndComputesTheSameBits) {
           up.sort.top_k = top_k;
           up.sort.out = self.out();
         }
-        EXPECT_EQ(kernels::expert_mma_ksplit(up, copies, experts, ksplit), ksplit) << where;
-        kernels::expert_mma(up, copies, experts, ksplit, nullptr);
-        kernels::expert_mma(down, copies, experts, ksplit, nullptr);
+        const int ks = persistent ? 1 : ksplit;
+        EXPECT_EQ(kernels::expert_mma_ksplit(up, copies, experts, ks), ks) << where;
+        kernels::expert_mma(up, copies, experts, ks, nullptr);
+        kernels::expert_mma(down, copies, experts, ks, nullptr);
         EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess) << where;
         return outputs{act.host(), ys.host()};
       };
@@ -110,7 +115,7 @@ TEST(GpuExpertSelfSort, GateUpSortsAsBucketDoesAndComputesTheSameBits) {
       EXPECT_TRUE(in_kernel.act == by_bucket.act) << "activations differ, " << where;
       EXPECT_TRUE(in_kernel.ys == by_bucket.ys) << "down's output differs, " << where;
     }
-  EXPECT_EQ(runs, 8);
+  EXPECT_EQ(runs, 12);
 }
 
 TEST(GpuExpertSelfSort, WhatTheInKernelSortCannotDoIsRefusedByName) {
@@ -125,7 +130,6 @@ TEST(GpuExpertSelfSort, WhatTheInKernelSortCannotDoIsRefusedByName) {
   const std::vector<refused> cases = {
     {"not early", "needs the early gate_up", [](kernels::expert_mma_args& a) { a.early = false; }},
     {"down", "needs the early gate_up", [](kernels::expert_mma_args& a) { a.glu = false; }},
-    {"persistent", "not persistent", [](kernels::expert_mma_args& a) { a.persistent = true; }},
     {"too many tokens", "at most 256 tokens",
      [](kernels::expert_mma_args& a) { a.sort.copies = 257 * a.sort.top_k; }},
     {"no inverse", "outputs (counts, offsets, inverse, loads) are missing",
@@ -150,6 +154,26 @@ TEST(GpuExpertSelfSort, WhatTheInKernelSortCannotDoIsRefusedByName) {
     } catch (const std::invalid_argument& e) {
       EXPECT_NE(std::string(e.what()).find(r.message), std::string::npos) << r.what << ": " << e.what();
     }
+  }
+  // The resident-warp kernel keeps every expert's count in shared memory: at most 512.
+  kernels::expert_mma_args a;
+  a.rows = 2 * inter;
+  a.k = hidden;
+  a.glu = true;
+  a.max_chunks = 2;
+  a.stages = 4;
+  a.early = true;
+  a.persistent = true;
+  a.sort.ids = d_ids.p;
+  a.sort.copies = copies;
+  a.sort.top_k = top_k;
+  a.sort.out = self.out();
+  try {
+    kernels::expert_mma(a, copies, 513, 1, nullptr);
+    ADD_FAILURE() << "the persistent in-kernel sort of 513 experts accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("sort of 513 experts (at most 512)"), std::string::npos)
+      << e.what();
   }
   CUDA_OK(cudaDeviceSynchronize());
 }

@@ -144,8 +144,11 @@ void expert_gemv(const gemv_args& args, void* stream);
 // flat routed ids [copies] (top_k a token, at most expert_sort_max_tokens tokens); each block
 // finds its expert's copies (stable, in flat order) and block 0 of each expert writes what
 // bucket would into out's counts, offsets, inverse and loads (order, src_token and active are
-// left alone), for the kernels after it.
+// left alone), for the kernels after it. The resident-warp kernel (expert_mma_args::persistent)
+// counts every expert's copies in each block and lists an expert's copies per warp, for up to
+// expert_stream_sort_max_experts experts.
 constexpr int expert_sort_max_tokens = 256;
+constexpr int expert_stream_sort_max_experts = 512;
 struct expert_sort_args {
   const std::int64_t* ids = nullptr;
   int copies = 0;
@@ -194,8 +197,8 @@ struct expert_mma_args {
   // unused). The sums are the block-per-expert kernel's at k-split 1, bit for bit.
   bool persistent = false;
   int max_blocks = 0; // persistent: at most this many blocks (0: as many as fit at once)
-  // The counting sort in the kernel instead of bucket's (sort.ids set; the early gate_up, not
-  // persistent); counts, offsets and x_rows above are then unused.
+  // The counting sort in the kernel instead of bucket's (sort.ids set; the early gate_up,
+  // persistent or not); counts, offsets and x_rows above are then unused.
   expert_sort_args sort;
 };
 bool expert_mma_supported(const expert_mma_args& args);

@@ -354,9 +354,9 @@ void expert_mma(const expert_mma_args& a, int copies, int experts, int ksplit, v
   check_ksplit(a, ksplit);
   if (a.sort.ids != nullptr) {
     const auto& o = a.sort.out;
-    if (!a.early || !a.glu || a.persistent || a.stages == 0)
+    if (!a.early || !a.glu || a.stages == 0)
       throw std::invalid_argument("expert_mma: the in-kernel sort needs the early gate_up with "
-                                  "cp.async stages, not persistent");
+                                  "cp.async stages");
     if (a.sort.top_k < 1 || a.sort.copies < 1 || a.sort.copies % a.sort.top_k != 0
         || a.sort.copies / a.sort.top_k > expert_sort_max_tokens)
       throw std::invalid_argument("expert_mma: the in-kernel sort of " + std::to_string(a.sort.copies)

@@ -30,13 +30,26 @@ namespace {
 // early: the weights do not depend on the kernel before (griddepcontrol.wait), the counts do:
 // the first stages of item w's first pass are copied before the wait; if expert(w) turns out
 // empty they are awaited and dropped (its slots are refilled only after they landed).
+//
+// In-kernel sort (ss.ids set; gate_up, early): the kernel before it routed but did not sort.
+// After the wait each block counts the routed ids per expert in shared memory (s_count) and
+// scans them (s_less: the copies of lower experts, an expert's first sorted position); at an
+// item of a new expert a warp lists that expert's copies in flat order (a ballot per 32 ids:
+// bucket's stable order) for its token rows. Bucket's outputs for the kernels after it: block
+// 0 writes every expert's count and end offset and adds the non-empty experts to the loads,
+// the warp at an expert's tile 0 writes its copies' inverse.
 template <int CH, bool GLU, int TT, int S>
 __global__ void __launch_bounds__(mma_warps * 32, 2)
   expert_stream_kernel(const bf16* __restrict__ x, const i64* __restrict__ x_rows,
                        const bf16* __restrict__ w, const i64* __restrict__ counts,
                        const int* __restrict__ offsets, void* __restrict__ y_out, int rows, int k,
-                       int experts, bool evict_first, bool y_f32, bool early) {
+                       int experts, bool evict_first, bool y_f32, bool early,
+                       expert_sort_args ss) {
   extern __shared__ uint4 mma_smem[];
+  __shared__ int s_count[expert_stream_sort_max_experts];
+  __shared__ int s_less[expert_stream_sort_max_experts];
+  __shared__ short s_list[mma_warps][expert_sort_max_tokens];
+  const bool self_sorted = ss.ids != nullptr;
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2;
@@ -61,12 +74,19 @@ __global__ void __launch_bounds__(mma_warps * 32, 2)
     wa = w + (static_cast<i64>(e) * rows + row_a(tile)) * k;
     wb = w + (static_cast<i64>(e) * rows + row_b(tile)) * k;
   };
-  // After the wait only: passes of item i, and the warp's next item from i on with copies.
+  // After the wait only: an expert's copies and first sorted position, passes of item i, and
+  // the warp's next item from i on with copies.
+  const auto count_of = [&](int e) {
+    return self_sorted ? s_count[e] : static_cast<int>(counts[e]);
+  };
+  const auto first_of = [&](int e) -> i64 {
+    return self_sorted ? s_less[e] : offsets[e] - counts[e];
+  };
   const auto passes = [&](int i) {
-    return (static_cast<int>(counts[i / tiles_per_expert]) + 8 * TT - 1) / (8 * TT);
+    return (count_of(i / tiles_per_expert) + 8 * TT - 1) / (8 * TT);
   };
   const auto next = [&](int i) {
-    while (i < items && counts[i / tiles_per_expert] == 0)
+    while (i < items && count_of(i / tiles_per_expert) == 0)
       i += stride;
     return i;
   };
@@ -110,6 +130,51 @@ __global__ void __launch_bounds__(mma_warps * 32, 2)
     }
   }
   pdl_enter();
+  if (self_sorted) { // the block's counts and first positions of every expert
+    for (int e = threadIdx.x; e < experts; e += blockDim.x)
+      s_count[e] = 0;
+    __syncthreads();
+    for (int f = threadIdx.x; f < ss.copies; f += blockDim.x) {
+      const i64 id = ss.ids[f];
+      if (id < 0 || id >= experts)
+        __trap(); // a routed id past the experts
+      atomicAdd(&s_count[id], 1);
+    }
+    __syncthreads();
+    if (warp == 0) { // exclusive scan, 32 experts at a time
+      int run = 0;
+      for (int base = 0; base < experts; base += 32) {
+        const int e = base + lane;
+        const int c = e < experts ? s_count[e] : 0;
+        if (c > expert_sort_max_tokens)
+          __trap(); // more copies than tokens: the routing gave a token this expert twice
+        int incl = c;
+        for (int o = 1; o < 32; o <<= 1) {
+          const int v = __shfl_up_sync(0xffffffffu, incl, o);
+          if (lane >= o)
+            incl += v;
+        }
+        if (e < experts)
+          s_less[e] = run + incl - c;
+        run += __shfl_sync(0xffffffffu, incl, 31);
+      }
+    }
+    __syncthreads();
+    if (blockIdx.x == 0) { // bucket's counts, offsets and loads, for the kernels after this one
+      int used = 0;
+      for (int base = 0; base < experts; base += blockDim.x) {
+        const int e = base + static_cast<int>(threadIdx.x);
+        if (e < experts) {
+          ss.out.counts[e] = s_count[e];
+          ss.out.offsets[e] = s_less[e] + s_count[e];
+        }
+        used += __syncthreads_count(e < experts && s_count[e] > 0);
+      }
+      if (static_cast<int>(threadIdx.x) < ss.out.loads_n)
+        atomicAdd(reinterpret_cast<unsigned long long*>(ss.out.loads + threadIdx.x),
+                  static_cast<unsigned long long>(used));
+    }
+  }
   const int start = next(mine);
   if (issued > 0 && start == mine) { // the early stages are the sequence's first
     pn = passes(mine);
@@ -125,15 +190,38 @@ __global__ void __launch_bounds__(mma_warps * 32, 2)
     issue(issued);
 
   unsigned q = 0; // the stage feeding the MMAs
+  int listed = -1; // the expert whose copies s_list[warp] holds
   for (int i = start; i < items; i = next(i + stride)) {
     const int e = i / tiles_per_expert;
     const int tile = i - e * tiles_per_expert;
-    const int count = static_cast<int>(counts[e]);
-    const i64 first = offsets[e] - count;
+    const int count = count_of(e);
+    const i64 first = first_of(e);
+    if (self_sorted && e != listed) { // e's copies in flat order
+      int n = 0;
+      for (int base = 0; base < ss.copies; base += 32) {
+        const int f = base + lane;
+        const bool hit = f < ss.copies && ss.ids[f] == e;
+        const unsigned bal = __ballot_sync(0xffffffffu, hit);
+        if (hit)
+          s_list[warp][n + __popc(bal & ((1u << lane) - 1u))] = static_cast<short>(f);
+        n += __popc(bal);
+      }
+      __syncwarp();
+      listed = e;
+      if (tile == 0)
+        for (int j = lane; j < count; j += 32)
+          ss.out.inverse[s_list[warp][j]] = first + j;
+    }
     for (int base = 0; base < count; base += 8 * TT) {
       const int tiles = min(TT, (count - base + 7) / 8);
       const bf16* xr[TT];
-      token_rows<TT>(x, x_rows, first, base, count, k, lane_k, xr);
+      if (self_sorted) // the copy's token: its flat index / top_k
+#pragma unroll
+        for (int tt = 0; tt < TT; ++tt)
+          xr[tt] = x + static_cast<i64>(s_list[warp][min(base + tt * 8 + g, count - 1)] / ss.top_k) * k
+                   + lane_k;
+      else
+        token_rows<TT>(x, x_rows, first, base, count, k, lane_k, xr);
       float acc[TT][4] = {};
       for (int it = 0; it < iters; ++it, ++q) {
         asm volatile("cp.async.wait_group %0;" ::"n"(S - 1) : "memory"); // stage q landed
@@ -173,7 +261,8 @@ void launch_stream(const expert_mma_args& a, int experts, cudaStream_t s) {
   const int blocks = static_cast<int>(std::min<long long>(wanted, cap));
   launch_smem("expert_stream", kernel, dim3(blocks), dim3(mma_warps * 32), smem, s,
               static_cast<const bf16*>(a.x), a.x_rows, static_cast<const bf16*>(a.w), a.counts,
-              a.offsets, a.y, a.rows, a.k, experts, a.evict_first, a.y_f32 && !GLU, a.early);
+              a.offsets, a.y, a.rows, a.k, experts, a.evict_first, a.y_f32 && !GLU, a.early,
+              a.sort);
 }
 
 template <int CH, bool GLU>
@@ -199,6 +288,10 @@ void expert_stream(const expert_mma_args& a, int chunks, int experts, cudaStream
                                 + " (0: as many as fit at once, or a positive cap)");
   if (experts < 1)
     return;
+  if (a.sort.ids != nullptr && experts > expert_stream_sort_max_experts)
+    throw std::invalid_argument("expert_mma (persistent): the in-kernel sort of "
+                                + std::to_string(experts) + " experts (at most "
+                                + std::to_string(expert_stream_sort_max_experts) + ")");
   switch (chunks) {
     case 4: return a.glu ? stream_for_stages<4, true>(a, experts, s)
                          : stream_for_stages<4, false>(a, experts, s);
