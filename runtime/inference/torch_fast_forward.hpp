@@ -412,10 +412,11 @@ private:
   // expert_mma_args::early (REFIT_EXPERT_MMA_EARLY): the first weight stages copied before the
   // wait for the kernel before (the experts by id from 4 routed copies an expert on).
   std::int64_t mma_early_ = 1;
-  // expert_mma_args::persistent (REFIT_EXPERT_MMA_PERSISTENT): at k-split 1 resident warps each
-  // stream a sequence of expert tiles through one ring of stages (no refill at tile starts);
-  // 1: both projections, 2: the down projection only (its tiles are 12 k-steps at decode).
-  std::int64_t mma_persistent_ = 0;
+  // expert_mma_args::persistent (REFIT_EXPERT_MMA_PERSISTENT): at k-split 1 with the early
+  // start (by expert id) resident warps each stream a sequence of expert tiles through one
+  // ring of stages (no refill at tile starts); 1: both projections (gate_up sorting the copies
+  // itself), 2: the down projection only (its tiles are 12 k-steps at decode); 0: off.
+  std::int64_t mma_persistent_ = 1;
   // gate_up sorts the routed copies itself instead of the bucket kernel before it, where
   // self_sort_fits (REFIT_EXPERT_SELF_SORT): its weights stream from the end of routing, not
   // of the sort (H200 batch 64: 18.21 vs 18.40 ms a step in one lease).
