@@ -11,6 +11,7 @@ OUT=${OUT:-out}
 BATCH=${BATCH:-64}
 TOKENS=${TOKENS:-24}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd) # absolute: LD_PRELOAD and the spawned runtime need it as it is
 CI=""; CL=""
 for d in /usr/local/cuda/extras/CUPTI /usr/local/cuda; do
   [ -z "$CI" ] && [ -f "$d/include/cupti.h" ] && CI=$d/include
@@ -20,7 +21,7 @@ done
 g++ -std=c++17 -O2 -shared -fPIC -I"$CI" -I/usr/local/cuda/include bench/ktrace.cpp \
   -L"$CL" -lcupti -Wl,-rpath,"$CL" -o "$OUT/libktrace.so" || exit 1
 rm -f "$OUT"/kt.*
-KTRACE_OUT="$OUT/kt" LD_PRELOAD="$PWD/$OUT/libktrace.so" timeout 300 \
+KTRACE_OUT="$OUT/kt" LD_PRELOAD="$OUT/libktrace.so" timeout 300 \
   ./build-gpu/bin/refit-bench generate --config configs/bench-generate-h200.yaml --batch "$BATCH" \
   --prompt-len 128 --max-tokens "$TOKENS" --repeat 1 --no-gap --json > "$OUT/trace-b$BATCH.json" \
   2> "$OUT/trace-b$BATCH.log" || echo "refit-bench failed ($?), see $OUT/trace-b$BATCH.log"
