@@ -6,7 +6,16 @@
 // check). The device-to-device copy bound is measured in the same run. Standalone:
 //   nvcc -arch=sm_90a -std=c++17 -O3 -o readbw bench/read_bandwidth_probe.cu && ./readbw
 // (An S of 6 stages ran ~20% slower in every form; not investigated.)
+// `./readbw warp`: per-warp rings instead (what the resident-warp expert kernel could use):
+// each warp streams its own sequence of 64 KiB items through S slots, filled by cp.async
+// (16 bytes a lane, expert_stream's staging), by 1D cp.async.bulk of 2-16 KiB, or by 2D
+// tensor-map copies of 16 rows x BK columns out of a [rows, 2048] bf16 matrix (a warp tile of
+// 16 weight rows, BK = 64..256: 2-8 KiB a copy), lane 0 issuing, the warp's lanes waiting on
+// the slot's mbarrier.
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
+#include <cstring>
 #include <algorithm>
 #include <cstdio>
 #include <cstdint>
@@ -110,7 +119,120 @@ __global__ void read_bulk(const uint4* p, size_t region, size_t regions, int chu
   if (acc == 0x12345678u) g_sink = acc;
 }
 
-int main() {
+// ---- per-warp rings -----------------------------------------------------------------------
+
+// Warp w of the grid (W in all) takes items w, w + W, ... of `item` bytes each, in chunks of
+// `chunk` bytes through its S slots (1D bulk copies).
+template <int S>
+__global__ void warp_bulk(const char* p, size_t item, size_t items, int chunk) {
+  extern __shared__ uint4 sm[];
+  __shared__ uint64_t bar[16][S];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int W = gridDim.x * (blockDim.x >> 5), me = blockIdx.x * (blockDim.x >> 5) + warp;
+  char* slots = reinterpret_cast<char*>(sm) + (size_t)warp * S * chunk;
+  if (lane == 0) { for (int s = 0; s < S; ++s) mbar_init(&bar[warp][s], 1); asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+  __syncwarp();
+  const int per_item = item / chunk;
+  const long long mine = items > (size_t)me ? ((long long)items - me + W - 1) / W : 0;
+  const long long total = mine * per_item; // the warp's stages
+  auto src = [&](long long q) { return p + ((size_t)(me + (q / per_item) * W) * item) + (q % per_item) * chunk; };
+  if (lane == 0)
+    for (long long q = 0; q < S && q < total; ++q) { mbar_expect(&bar[warp][q], chunk); bulk(slots + q * chunk, src(q), chunk, &bar[warp][q]); }
+  unsigned acc = 0;
+  for (long long q = 0; q < total; ++q) {
+    const int s = q % S;
+    mbar_wait(&bar[warp][s], (q / S) & 1);
+    const uint4* v = reinterpret_cast<const uint4*>(slots + s * chunk);
+    for (int i = lane; i < chunk / 16; i += 32) acc ^= v[i].x ^ v[i].w;
+    __syncwarp();
+    if (lane == 0 && q + S < total) { mbar_expect(&bar[warp][s], chunk); bulk(slots + s * chunk, src(q + S), chunk, &bar[warp][s]); }
+  }
+  if (acc == 0x12345678u) g_sink = acc;
+}
+
+// The same with 2D tensor-map copies: the buffer is a [rows, k] bf16 matrix, an item 16 rows
+// (a warp tile), a stage the next BK columns of them.
+template <int S>
+__global__ void warp_tma(const __grid_constant__ CUtensorMap map, int bands, int k, int bk) {
+  extern __shared__ uint4 sm[];
+  __shared__ uint64_t bar[16][S];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int W = gridDim.x * (blockDim.x >> 5), me = blockIdx.x * (blockDim.x >> 5) + warp;
+  const int chunk = 16 * bk * 2;
+  char* slots = reinterpret_cast<char*>(sm) + (size_t)warp * S * chunk;
+  if (lane == 0) { for (int s = 0; s < S; ++s) mbar_init(&bar[warp][s], 1); asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+  __syncwarp();
+  const int per_band = k / bk;
+  const long long mine = bands > me ? ((long long)bands - me + W - 1) / W : 0;
+  const long long total = mine * per_band;
+  auto issue = [&](long long q, int s) {
+    const int row = (me + (int)(q / per_band) * W) * 16, col = (int)(q % per_band) * bk;
+    mbar_expect(&bar[warp][s], chunk);
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+                 ::"r"((unsigned)__cvta_generic_to_shared(slots + s * chunk)), "l"(&map), "r"(col), "r"(row),
+                 "r"((unsigned)__cvta_generic_to_shared(&bar[warp][s])) : "memory");
+  };
+  if (lane == 0)
+    for (long long q = 0; q < S && q < total; ++q) issue(q, (int)q);
+  unsigned acc = 0;
+  for (long long q = 0; q < total; ++q) {
+    const int s = q % S;
+    mbar_wait(&bar[warp][s], (q / S) & 1);
+    const uint4* v = reinterpret_cast<const uint4*>(slots + s * chunk);
+    for (int i = lane; i < chunk / 16; i += 32) acc ^= v[i].x ^ v[i].w;
+    __syncwarp();
+    if (lane == 0 && q + S < total) issue(q + S, s);
+  }
+  if (acc == 0x12345678u) g_sink = acc;
+}
+
+int warp_main(int sms, uint4* buf, size_t total, cudaStream_t st, const std::function<void(const char*, double, std::function<void()>)>& timeit) {
+  char name[160];
+  const size_t item = 64 * 1024, items = total / item;
+  // expert_stream's own staging, per-warp cp.async, for comparison
+  CK(cudaFuncSetAttribute(read_cpasync<2, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, 8 * 4 * 2 * 512));
+  timeit("per-warp cp.async CH2 S4, 2 blocks a SM", items * item * 1.0, [&] {
+    read_cpasync<2, 4><<<sms * 2, 256, 8 * 4 * 2 * 512, st>>>(buf, item / 16, items); });
+  for (int warps : {8, 16}) for (int chunk_kb : {2, 4, 8, 16}) for (int S : {2, 3, 4}) {
+    const int smem = warps * S * chunk_kb * 1024;
+    if (smem > 220 * 1024) continue;
+    const int per_sm = std::min(2, (220 * 1024) / smem);
+    snprintf(name, sizeof name, "warp bulk %2dK S%d, %2d warps x %d blocks a SM", chunk_kb, S, warps, per_sm);
+    auto go = [&](auto kern) { CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      timeit(name, items * item * 1.0, [&] { kern<<<sms * per_sm, warps * 32, smem, st>>>(reinterpret_cast<const char*>(buf), item, items, chunk_kb * 1024); }); };
+    if (S == 2) go(warp_bulk<2>); else if (S == 3) go(warp_bulk<3>); else go(warp_bulk<4>);
+  }
+  // 2D tensor map over [rows, 2048] bf16
+  PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+  cudaDriverEntryPointQueryResult q;
+  CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", reinterpret_cast<void**>(&encode), 12000, cudaEnableDefault, &q));
+  if (!encode) { printf("no cuTensorMapEncodeTiled\n"); return 1; }
+  const int k = 2048;
+  const long long rows = total / (k * 2);
+  const int bands = (int)(rows / 16);
+  for (int bk : {64, 128, 256}) {
+    CUtensorMap map;
+    const cuuint64_t dims[2] = {(cuuint64_t)k, (cuuint64_t)rows};
+    const cuuint64_t strides[1] = {(cuuint64_t)k * 2};
+    const cuuint32_t box[2] = {(cuuint32_t)bk, 16}, estr[2] = {1, 1};
+    const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, buf, dims, strides, box, estr,
+                              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) { printf("encode bk %d: %d\n", bk, (int)r); continue; }
+    for (int warps : {8, 16}) for (int S : {2, 3, 4}) {
+      const int chunk = 16 * bk * 2, smem = warps * S * chunk;
+      if (smem > 220 * 1024) continue;
+      const int per_sm = std::min(2, (220 * 1024) / smem);
+      snprintf(name, sizeof name, "warp tma2d 16x%d (%dK) S%d, %2d warps x %d blocks a SM", bk, chunk / 1024, S, warps, per_sm);
+      auto go = [&](auto kern) { CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+        timeit(name, (double)bands * 16 * k * 2, [&] { kern<<<sms * per_sm, warps * 32, smem, st>>>(map, bands, k, bk); }); };
+      if (S == 2) go(warp_tma<2>); else if (S == 3) go(warp_tma<3>); else go(warp_tma<4>);
+    }
+  }
+  return 0;
+}
+
+int main(int argc, char** argv) {
   int sms; CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   const size_t total = size_t(1200) << 20; // 1.2 GB, ~ one layer's experts
   uint4* buf; CK(cudaMalloc(&buf, total + (size_t(512) << 20)));
@@ -128,6 +250,8 @@ int main() {
   };
   const size_t cb = size_t(256) << 20;
   timeit("memcpy d2d 256MiB (r+w)", 2.0 * cb, [&] { CK(cudaMemcpyAsync(dst, buf, cb, cudaMemcpyDeviceToDevice, st)); });
+  if (argc > 1 && std::strcmp(argv[1], "warp") == 0)
+    return warp_main(sms, buf, total, st, timeit);
   const size_t tu4 = total / 16;
   char name[160];
   // layer-cycling buffer: 48 slices of 1.2 GB (58 GB), a different slice each launch
