@@ -121,33 +121,42 @@ __global__ void read_bulk(const uint4* p, size_t region, size_t regions, int chu
 
 // ---- per-warp rings -----------------------------------------------------------------------
 
+// One warp's ring: `total` stages of `chunk` bytes through S slots at `slots`, stage q copied
+// by issue(q, slot) from lane 0 and completing on bar[slot]; every lane reads its bytes.
+template <int S, class Issue>
+__device__ void warp_ring(char* slots, uint64_t* bar, long long total, int chunk, Issue issue) {
+  const int lane = threadIdx.x & 31;
+  if (lane == 0) { for (int s = 0; s < S; ++s) mbar_init(&bar[s], 1); asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+  __syncwarp();
+  if (lane == 0)
+    for (long long q = 0; q < S && q < total; ++q) issue(q, (int)q);
+  unsigned acc = 0;
+  for (long long q = 0; q < total; ++q) {
+    const int s = q % S;
+    mbar_wait(&bar[s], (q / S) & 1);
+    const uint4* v = reinterpret_cast<const uint4*>(slots + s * chunk);
+    for (int i = lane; i < chunk / 16; i += 32) acc ^= v[i].x ^ v[i].w;
+    __syncwarp();
+    if (lane == 0 && q + S < total) issue(q + S, s);
+  }
+  if (acc == 0x12345678u) g_sink = acc;
+}
+
 // Warp w of the grid (W in all) takes items w, w + W, ... of `item` bytes each, in chunks of
-// `chunk` bytes through its S slots (1D bulk copies).
+// `chunk` bytes (1D bulk copies).
 template <int S>
 __global__ void warp_bulk(const char* p, size_t item, size_t items, int chunk) {
   extern __shared__ uint4 sm[];
   __shared__ uint64_t bar[16][S];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
   const int W = gridDim.x * (blockDim.x >> 5), me = blockIdx.x * (blockDim.x >> 5) + warp;
   char* slots = reinterpret_cast<char*>(sm) + (size_t)warp * S * chunk;
-  if (lane == 0) { for (int s = 0; s < S; ++s) mbar_init(&bar[warp][s], 1); asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
-  __syncwarp();
   const int per_item = item / chunk;
   const long long mine = items > (size_t)me ? ((long long)items - me + W - 1) / W : 0;
-  const long long total = mine * per_item; // the warp's stages
-  auto src = [&](long long q) { return p + ((size_t)(me + (q / per_item) * W) * item) + (q % per_item) * chunk; };
-  if (lane == 0)
-    for (long long q = 0; q < S && q < total; ++q) { mbar_expect(&bar[warp][q], chunk); bulk(slots + q * chunk, src(q), chunk, &bar[warp][q]); }
-  unsigned acc = 0;
-  for (long long q = 0; q < total; ++q) {
-    const int s = q % S;
-    mbar_wait(&bar[warp][s], (q / S) & 1);
-    const uint4* v = reinterpret_cast<const uint4*>(slots + s * chunk);
-    for (int i = lane; i < chunk / 16; i += 32) acc ^= v[i].x ^ v[i].w;
-    __syncwarp();
-    if (lane == 0 && q + S < total) { mbar_expect(&bar[warp][s], chunk); bulk(slots + s * chunk, src(q + S), chunk, &bar[warp][s]); }
-  }
-  if (acc == 0x12345678u) g_sink = acc;
+  warp_ring<S>(slots, bar[warp], mine * per_item, chunk, [&](long long q, int s) {
+    mbar_expect(&bar[warp][s], chunk);
+    bulk(slots + s * chunk, p + ((size_t)(me + (q / per_item) * W) * item) + (q % per_item) * chunk, chunk, &bar[warp][s]);
+  });
 }
 
 // The same with 2D tensor-map copies: the buffer is a [rows, k] bf16 matrix, an item 16 rows
@@ -156,34 +165,19 @@ template <int S>
 __global__ void warp_tma(const __grid_constant__ CUtensorMap map, int bands, int k, int bk) {
   extern __shared__ uint4 sm[];
   __shared__ uint64_t bar[16][S];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
   const int W = gridDim.x * (blockDim.x >> 5), me = blockIdx.x * (blockDim.x >> 5) + warp;
   const int chunk = 16 * bk * 2;
   char* slots = reinterpret_cast<char*>(sm) + (size_t)warp * S * chunk;
-  if (lane == 0) { for (int s = 0; s < S; ++s) mbar_init(&bar[warp][s], 1); asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
-  __syncwarp();
   const int per_band = k / bk;
   const long long mine = bands > me ? ((long long)bands - me + W - 1) / W : 0;
-  const long long total = mine * per_band;
-  auto issue = [&](long long q, int s) {
+  warp_ring<S>(slots, bar[warp], mine * per_band, chunk, [&](long long q, int s) {
     const int row = (me + (int)(q / per_band) * W) * 16, col = (int)(q % per_band) * bk;
     mbar_expect(&bar[warp][s], chunk);
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
                  ::"r"((unsigned)__cvta_generic_to_shared(slots + s * chunk)), "l"(&map), "r"(col), "r"(row),
                  "r"((unsigned)__cvta_generic_to_shared(&bar[warp][s])) : "memory");
-  };
-  if (lane == 0)
-    for (long long q = 0; q < S && q < total; ++q) issue(q, (int)q);
-  unsigned acc = 0;
-  for (long long q = 0; q < total; ++q) {
-    const int s = q % S;
-    mbar_wait(&bar[warp][s], (q / S) & 1);
-    const uint4* v = reinterpret_cast<const uint4*>(slots + s * chunk);
-    for (int i = lane; i < chunk / 16; i += 32) acc ^= v[i].x ^ v[i].w;
-    __syncwarp();
-    if (lane == 0 && q + S < total) issue(q + S, s);
-  }
-  if (acc == 0x12345678u) g_sink = acc;
+  });
 }
 
 int warp_main(int sms, uint4* buf, size_t total, cudaStream_t st, const std::function<void(const char*, double, std::function<void()>)>& timeit) {
