@@ -74,13 +74,10 @@ __global__ void __launch_bounds__(mma_warps * 32, 2)
     wa = w + (static_cast<i64>(e) * rows + row_a(tile)) * k;
     wb = w + (static_cast<i64>(e) * rows + row_b(tile)) * k;
   };
-  // After the wait only: an expert's copies and first sorted position, passes of item i, and
-  // the warp's next item from i on with copies.
+  // After the wait only: an expert's copies, passes of item i, and the warp's next item from i
+  // on with copies.
   const auto count_of = [&](int e) {
     return self_sorted ? s_count[e] : static_cast<int>(counts[e]);
-  };
-  const auto first_of = [&](int e) -> i64 {
-    return self_sorted ? s_less[e] : offsets[e] - counts[e];
   };
   const auto passes = [&](int i) {
     return (count_of(i / tiles_per_expert) + 8 * TT - 1) / (8 * TT);
@@ -195,7 +192,7 @@ __global__ void __launch_bounds__(mma_warps * 32, 2)
     const int e = i / tiles_per_expert;
     const int tile = i - e * tiles_per_expert;
     const int count = count_of(e);
-    const i64 first = first_of(e);
+    const i64 first = self_sorted ? s_less[e] : offsets[e] - count; // e's first sorted position
     if (self_sorted && e != listed) { // e's copies in flat order
       int n = 0;
       for (int base = 0; base < ss.copies; base += 32) {
