@@ -421,17 +421,12 @@ TEST(GpuMoeKernels, PersistentExpertMmaEqualsTheBlockPerExpertKernelBitwise) {
           a.persistent = false;
           const auto blockwise = run(a);
           a.persistent = true;
-          for (const int cap : {1, 3, 0, -1}) { // -1: as many as fit, bulk stages
-            a.max_blocks = cap < 0 ? 0 : cap;
-            a.bulk = cap < 0 || (cap == 3 && chunks > 1);
-            if (a.bulk && chunks == 1)
-              continue; // bulk stages need 2 or 4 chunks (refused below)
+          for (const int cap : {1, 3, 0}) {
+            a.max_blocks = cap;
             const std::string where = "rows " + std::to_string(pc.rows) + " k "
                                       + std::to_string(pc.k) + " stages " + std::to_string(stages)
                                       + " early " + std::to_string(early) + " chunks "
-                                      + std::to_string(chunks) + " max_blocks "
-                                      + std::to_string(a.max_blocks) + " bulk "
-                                      + std::to_string(a.bulk);
+                                      + std::to_string(chunks) + " max_blocks " + std::to_string(cap);
             const auto y = run(a);
             ++compared;
             double worst = 0;
@@ -445,14 +440,11 @@ TEST(GpuMoeKernels, PersistentExpertMmaEqualsTheBlockPerExpertKernelBitwise) {
           }
           a.max_blocks = 0;
           a.persistent = false;
-          a.bulk = false;
         }
   }
   // Every case ran: 3 shapes x (4 stages x 3 chunk counts + 8 stages x 2, each with and
-  // without the early start) x 3 block caps (3 blocks with bulk stages where there are 2 or 4
-  // chunks), plus bulk stages at the full grid where there are 2 or 4 chunks (4 stages x 2
-  // chunk counts + 8 stages x 1, with and without the early start).
-  EXPECT_EQ(compared, 3 * 10 * 3 + 3 * 2 * 3);
+  // without the early start) x 3 block caps.
+  EXPECT_EQ(compared, 3 * 10 * 3);
   kernels::expert_mma_args a;
   a.rows = 64;
   a.k = 256;
@@ -472,25 +464,6 @@ TEST(GpuMoeKernels, PersistentExpertMmaEqualsTheBlockPerExpertKernelBitwise) {
     EXPECT_NE(std::string(e.what()).find("max_blocks -1"), std::string::npos) << e.what();
   }
   a.max_blocks = 0;
-  a.bulk = true;
-  a.max_chunks = 1;
-  try {
-    kernels::expert_mma(a, 8, 8, 1, nullptr);
-    ADD_FAILURE() << "bulk stages of 1 chunk accepted";
-  } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("bulk stages of 1 chunk"), std::string::npos) << e.what();
-  }
-  a.max_chunks = 4;
-  a.persistent = false;
-  try {
-    kernels::expert_mma(a, 8, 8, 1, nullptr);
-    ADD_FAILURE() << "bulk stages without persistent accepted";
-  } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("bulk stages without persistent"), std::string::npos)
-      << e.what();
-  }
-  a.persistent = true;
-  a.bulk = false;
   a.stages = 0; // register stages: no ring to stream through
   try {
     kernels::expert_mma(a, 8, 8, 1, nullptr);

@@ -9,9 +9,8 @@
 //
 // With --engine-paths only the engine's default staging (auto k-split, 2 chunks, 4 cp.async
 // stages, early) and its resident-warp variants ("... early persistent":
-// expert_mma_args::persistent, with 4 and with 8 stages; "... persistent bulk": its stages as
-// bulk copies, expert_mma_args::bulk, 2 chunks with 4 and 8 stages, 4 chunks with 4) run, each
-// twice in turn (the spread shows).
+// expert_mma_args::persistent, with 4 and with 8 stages) run, each twice in turn (the spread
+// shows).
 //
 //   refit-expert-bench [--batch 1,16,64,256] [--experts 128] [--top-k 8] [--hidden 2048]
 //                      [--inter 768] [--layers 6] [--repeat 10] [--engine-paths] [--json]
@@ -222,36 +221,27 @@ int main(int argc, char** argv) try {
       int stages;         // expert_mma_args::stages
       bool early;         // expert_mma_args::early
       bool persistent;    // expert_mma_args::persistent (at k-split 1)
-      bool bulk;          // expert_mma_args::bulk (persistent only)
     };
     std::vector<variant> variants;
     if (o.engine_paths) {
       for (int round = 0; round < 2; ++round) {
-        variants.push_back({2, 0, true, 4, true, false, false});
-        variants.push_back({2, 0, true, 4, true, true, false});
-        variants.push_back({2, 0, true, 8, true, true, false});
-        variants.push_back({2, 0, true, 4, true, true, true});
-        variants.push_back({2, 0, true, 8, true, true, true});
-        variants.push_back({4, 0, true, 4, true, true, true});
-        variants.push_back({4, 0, true, 2, true, true, true});
-        variants.push_back({4, 0, true, 3, true, true, true});
-        variants.push_back({4, 0, true, 3, true, true, false});
+        variants.push_back({2, 0, true, 4, true, false});
+        variants.push_back({2, 0, true, 4, true, true});
+        variants.push_back({2, 0, true, 8, true, true});
       }
     } else {
       for (const int stages : {0, 4, 8})
         for (const int chunks : {4, 2, 1})
           for (const int wanted : {0, 1, 2, 4})
             if (stages < 8 || chunks < 4)
-              variants.push_back({chunks, wanted, true, stages, false, false, false});
+              variants.push_back({chunks, wanted, true, stages, false, false});
       for (const int chunks : {2, 1}) {
-        variants.push_back({chunks, 0, false, 4, false, false, false});
-        variants.push_back({chunks, 0, true, 4, true, false, false});
-        variants.push_back({chunks, 0, true, 4, true, true, false});
+        variants.push_back({chunks, 0, false, 4, false, false});
+        variants.push_back({chunks, 0, true, 4, true, false});
+        variants.push_back({chunks, 0, true, 4, true, true});
       }
-      for (const int chunks : {4, 2})
-        variants.push_back({chunks, 0, true, 4, true, true, true});
     }
-    for (const auto& [chunks, wanted, evict_first, stages, early, persistent, bulk] : variants) {
+    for (const auto& [chunks, wanted, evict_first, stages, early, persistent] : variants) {
       kernels::expert_mma_args up, down;
       up.max_chunks = down.max_chunks = chunks;
       up.evict_first = down.evict_first = evict_first;
@@ -281,15 +271,12 @@ int main(int argc, char** argv) try {
         continue;
       up.persistent = persistent && ks_up == 1;
       down.persistent = persistent && ks_down == 1;
-      up.bulk = bulk && up.persistent;
-      down.bulk = bulk && down.persistent;
       if (persistent && !up.persistent && !down.persistent)
         continue; // no projection at k-split 1: the block-per-expert row already ran
       measure(std::string(wanted == 0 ? "mma auto " : "mma ") + std::to_string(ks_up) + "/"
                 + std::to_string(ks_down) + " c" + std::to_string(chunks) + " s"
                 + std::to_string(stages) + (evict_first ? "" : " l2-normal")
-                + (early ? " early" : "") + (persistent ? " persistent" : "")
-                + (bulk ? " bulk" : ""),
+                + (early ? " early" : "") + (persistent ? " persistent" : ""),
               [&](int l) {
                 up.w = w13[static_cast<std::size_t>(l)].p;
                 down.w = w2[static_cast<std::size_t>(l)].p;

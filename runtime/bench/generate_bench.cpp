@@ -433,7 +433,6 @@ json generate_bench::run() {
                            "REFIT_RESIDUAL_FP32", "REFIT_ATTENTION_MMA",
                            "REFIT_ATTENTION_SPLITS", "REFIT_EXPERT_MMA_STAGES",
                            "REFIT_EXPERT_MMA_EARLY", "REFIT_EXPERT_MMA_PERSISTENT",
-                           "REFIT_EXPERT_MMA_BULK",
                            "REFIT_ROUTE_BUCKET_MAX_TOKENS", "REFIT_ROUTER_MMA_MAX_ROWS",
                            "REFIT_ATTENTION_FUSED_QK"})
     if (const char* v = std::getenv(knob); v != nullptr)

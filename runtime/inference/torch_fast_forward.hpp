@@ -417,9 +417,6 @@ private:
   // ring of stages (no refill at tile starts); 1: both projections (gate_up sorting the copies
   // itself), 2: the down projection only (its tiles are 12 k-steps at decode); 0: off.
   std::int64_t mma_persistent_ = 1;
-  // expert_mma_args::bulk (REFIT_EXPERT_MMA_BULK): the resident warps' stages as one
-  // cp.async.bulk per weight row segment instead of 16-byte cp.async by every lane.
-  std::int64_t mma_bulk_ = 0;
   // gate_up sorts the routed copies itself instead of the bucket kernel before it, where
   // self_sort_fits (REFIT_EXPERT_SELF_SORT): its weights stream from the end of routing, not
   // of the sort (H200 batch 64: 18.21 vs 18.40 ms a step in one lease).

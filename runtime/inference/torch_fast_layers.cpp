@@ -297,8 +297,6 @@ bool fast_rank_forward::expert_mma_plan(const layer_tensors& w, const at::Tensor
   // ms a step; at batch 16 (a block per non-empty expert) they lost, 14.26 vs 13.01.
   up.persistent = mma_persistent_ == 1 && ks_up == 1 && up.early;
   down.persistent = mma_persistent_ != 0 && ks_down == 1 && down.early;
-  up.bulk = up.persistent && mma_bulk_ != 0;
-  down.bulk = down.persistent && mma_bulk_ != 0;
   return true;
 }
 

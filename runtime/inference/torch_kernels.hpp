@@ -197,10 +197,6 @@ struct expert_mma_args {
   // unused). The sums are the block-per-expert kernel's at k-split 1, bit for bit.
   bool persistent = false;
   int max_blocks = 0; // persistent: at most this many blocks (0: as many as fit at once)
-  // persistent, 2 or 4 chunks: each stage is the next 64 * chunks bytes of the warp tile's 16
-  // weight rows, one cp.async.bulk a row (lanes 0-15) completing on the slot's mbarrier,
-  // instead of 16-byte cp.async by every lane; the same sums, bit for bit.
-  bool bulk = false;
   // The counting sort in the kernel instead of bucket's (sort.ids set; the early gate_up,
   // persistent or not); counts, offsets and x_rows above are then unused.
   expert_sort_args sort;

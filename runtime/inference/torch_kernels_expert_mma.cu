@@ -367,9 +367,6 @@ void expert_mma(const expert_mma_args& a, int copies, int experts, int ksplit, v
       throw std::invalid_argument("expert_mma: the in-kernel sort's outputs (counts, offsets, "
                                   "inverse, loads) are missing");
   }
-  if (a.bulk && !a.persistent)
-    throw std::invalid_argument("expert_mma: bulk stages without persistent (the resident warps' "
-                                "ring only)");
   const int bound = copies < experts ? copies : experts;
   if (bound < 1)
     return;

@@ -7,9 +7,6 @@
 #include "runtime/inference/torch_kernels.hpp"
 #include "runtime/inference/torch_kernels_common.cuh"
 
-#ifndef REFIT_BULK_PAD
-#define REFIT_BULK_PAD 0
-#endif
 namespace refit::inference::kernels::detail {
 
 constexpr int mma_warps = 8;       // per block
@@ -68,25 +65,6 @@ __device__ __forceinline__ void mma_stage(const bf16* const (&xr)[TT], int off, 
   }
 }
 
-// mma_stage with token tile 0's chunks already loaded (x0).
-template <int CH, int TT>
-__device__ __forceinline__ void mma_stage_x0(const bf16* const (&xr)[TT], int off, int tiles,
-                                             const uint4 (&x0)[CH], const uint4 (&a)[CH],
-                                             const uint4 (&b)[CH], float (&acc)[TT][4]) {
-#pragma unroll
-  for (int tt = 0; tt < TT; ++tt) {
-    if (tt < tiles) {
-#pragma unroll
-      for (int c = 0; c < CH; ++c) {
-        const uint4 xv =
-          tt == 0 ? x0[c] : __ldg(reinterpret_cast<const uint4*>(xr[tt] + off + c * 32));
-        mma_bf16(acc[tt], a[c].x, b[c].x, a[c].y, b[c].y, xv.x, xv.y);
-        mma_bf16(acc[tt], a[c].z, b[c].z, a[c].w, b[c].w, xv.z, xv.w);
-      }
-    }
-  }
-}
-
 // One stage of a warp's ring: CH chunks of its two rows for each of the 32 lanes, in uint4s.
 template <int CH>
 constexpr int stage_uint4s = CH * 2 * 32;
@@ -122,75 +100,6 @@ __device__ __forceinline__ void read_stage(const uint4* slot, uint4 (&a)[CH], ui
   for (int c = 0; c < CH; ++c) {
     a[c] = slot[(c * 2) * 32];
     b[c] = slot[(c * 2 + 1) * 32];
-  }
-}
-
-// The bulk-copy form of a warp's ring (expert_mma_args::bulk, resident warps only): a stage is
-// the next CH * 64 bytes of each of the warp tile's 16 weight rows (A rows g, then B rows g,
-// g = 0..7), each row's segment one cp.async.bulk by lanes 0-15 into its own row of the slot,
-// all 16 completing on the slot's mbarrier. A slot row is padded by 16 bytes so that the lanes'
-// reads (row g, uint4 t + 4 c) fall in distinct banks.
-template <int CH>
-constexpr int bulk_row_uint4s = CH * 4 + (REFIT_BULK_PAD);
-template <int CH>
-constexpr int bulk_stage_uint4s = 16 * bulk_row_uint4s<CH>;
-template <int CH, int S>
-constexpr int bulk_ring_bytes = S * mma_warps * bulk_stage_uint4s<CH> * 16;
-
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned arrivals) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(arrivals)
-               : "memory");
-}
-
-// Until the phase of `parity` of the barrier has completed.
-__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
-  asm volatile("{\n .reg .pred p;\n W: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-               " @!p bra W;\n}" ::"r"(smem_addr(bar)), "r"(parity)
-               : "memory");
-}
-
-// Stage `src` (lane l < 16: its row's segment, CH * 64 bytes) into `slot`, completing on `bar`.
-// Called by the whole warp once the slot's previous stage has been read into registers.
-template <int CH>
-__device__ __forceinline__ void bulk_stage(uint4* slot, const bf16* src, unsigned long long* bar,
-                                           unsigned long long policy, int flags) {
-  const int lane = threadIdx.x & 31;
-  __syncwarp(); // every lane's reads of the slot's previous stage are done
-  if (lane == 0)
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
-                 "r"(16 * CH * 64) : "memory");
-  if (lane < 16) {
-    if (flags & 1)
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); // those reads before the copy
-    if (flags & 2)
-      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
-                   " [%0], [%1], %2, [%3], %4;"
-                   ::"r"(smem_addr(slot + lane * bulk_row_uint4s<CH>)), "l"(src), "r"(CH * 64),
-                   "r"(smem_addr(bar)), "l"(policy)
-                   : "memory");
-    else
-      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
-                   " [%0], [%1], %2, [%3];"
-                   ::"r"(smem_addr(slot + lane * bulk_row_uint4s<CH>)), "l"(src), "r"(CH * 64),
-                   "r"(smem_addr(bar))
-                   : "memory");
-  }
-}
-
-// A landed bulk stage's chunks of the lane's rows: what read_stage gives from a cp.async slot.
-template <int CH>
-__device__ __forceinline__ void read_bulk_stage(const uint4* slot, uint4 (&a)[CH], uint4 (&b)[CH]) {
-  const int lane = threadIdx.x & 31;
-  const uint4* ra = slot + (lane >> 2) * bulk_row_uint4s<CH> + (lane & 3);
-  const uint4* rb = ra + 8 * bulk_row_uint4s<CH>;
-#pragma unroll
-  for (int c = 0; c < CH; ++c) {
-    a[c] = ra[4 * c];
-    b[c] = rb[4 * c];
   }
 }
 

@@ -9,7 +9,6 @@
 // Here the ring runs ahead across item boundaries: the next tile's first stages are in flight
 // while the last ones of this tile feed the MMAs.
 #include <algorithm>
-#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -39,22 +38,17 @@ namespace {
 // bucket's stable order) for its token rows. Bucket's outputs for the kernels after it: block
 // 0 writes every expert's count and end offset and adds the non-empty experts to the loads,
 // the warp at an expert's tile 0 writes its copies' inverse.
-//
-// BULK (expert_mma_args::bulk): the ring's stages are bulk copies of the 16 rows' segments
-// (bulk_stage) that complete on the slot's mbarrier; stage q of the sequence is slot q % S's
-// completion q / S. The same bytes reach the same registers (read_bulk_stage).
-template <int CH, bool GLU, int TT, int S, bool BULK>
+template <int CH, bool GLU, int TT, int S>
 __global__ void __launch_bounds__(mma_warps * 32, 2)
   expert_stream_kernel(const bf16* __restrict__ x, const i64* __restrict__ x_rows,
                        const bf16* __restrict__ w, const i64* __restrict__ counts,
                        const int* __restrict__ offsets, void* __restrict__ y_out, int rows, int k,
                        int experts, bool evict_first, bool y_f32, bool early,
-                       expert_sort_args ss, int bulk_flags) {
+                       expert_sort_args ss) {
   extern __shared__ uint4 mma_smem[];
   __shared__ int s_count[expert_stream_sort_max_experts];
   __shared__ int s_less[expert_stream_sort_max_experts];
   __shared__ short s_list[mma_warps][expert_sort_max_tokens];
-  __shared__ unsigned long long s_bar[BULK ? mma_warps * S : 1];
   const bool self_sorted = ss.ids != nullptr;
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
@@ -67,35 +61,18 @@ __global__ void __launch_bounds__(mma_warps * 32, 2)
   const int iters = k / (32 * CH);
   const int cols = GLU ? rows / 2 : rows; // y's row length
   const unsigned long long policy = stream_policy(evict_first);
-  constexpr int stage_u4 = BULK ? bulk_stage_uint4s<CH> : stage_uint4s<CH>;
-  uint4* ring = mma_smem + warp * (S * stage_u4) + (BULK ? 0 : lane);
-  unsigned long long* bars = s_bar + (BULK ? warp * S : 0);
+  uint4* ring = mma_smem + warp * (S * stage_uint4s<CH>) + lane;
 
-  // The A fragment rows g and g + 8 of a warp tile (the lane's two weight rows): expert_mma_kernel's.
-  const auto row_a = [&](int tile, int r) -> i64 { return GLU ? tile * 8 + r : tile * 16 + r; };
-  const auto row_b = [&](int tile, int r) -> i64 {
-    return GLU ? cols + tile * 8 + r : tile * 16 + 8 + r;
+  // The lane's two weight rows (A fragment rows g and g + 8) of item i: expert_mma_kernel's.
+  const auto row_a = [&](int tile) -> i64 { return GLU ? tile * 8 + g : tile * 16 + g; };
+  const auto row_b = [&](int tile) -> i64 {
+    return GLU ? cols + tile * 8 + g : tile * 16 + 8 + g;
   };
-  // Item i's weight rows: the lane's two; BULK, wa the row lane l < 16 copies (A row l, then B
-  // row l - 8).
   const auto weights = [&](int i, const bf16*& wa, const bf16*& wb) {
     const int e = i / tiles_per_expert;
     const int tile = i - e * tiles_per_expert;
-    if (BULK) {
-      const int r = lane & 7;
-      wa = w + (static_cast<i64>(e) * rows + (lane & 8 ? row_b(tile, r) : row_a(tile, r))) * k;
-      wb = wa;
-    } else {
-      wa = w + (static_cast<i64>(e) * rows + row_a(tile, g)) * k;
-      wb = w + (static_cast<i64>(e) * rows + row_b(tile, g)) * k;
-    }
-  };
-  // Stage (k-iteration it) of the current rows into slot `slot`.
-  const auto stage_into = [&](unsigned slot, const bf16* wa, const bf16* wb, int it) {
-    if constexpr (BULK)
-      bulk_stage<CH>(ring + slot * stage_u4, wa + it * 32 * CH, bars + slot, policy, bulk_flags);
-    else
-      copy_stage<CH>(ring + slot * stage_u4, wa, wb, lane_k + it * 32 * CH, policy);
+    wa = w + (static_cast<i64>(e) * rows + row_a(tile)) * k;
+    wb = w + (static_cast<i64>(e) * rows + row_b(tile)) * k;
   };
   // After the wait only: an expert's copies, passes of item i, and the warp's next item from i
   // on with copies.
@@ -130,33 +107,23 @@ __global__ void __launch_bounds__(mma_warps * 32, 2)
         aim(next(pi + stride));
     }
   };
-  // Stage q's chunks into slot q % S (nothing past the end); cp.async: one commit group either
-  // way, the groups in flight stay S - 1 behind the one awaited.
+  // Stage q's chunks into slot q % S (nothing past the end), one commit group either way: the
+  // groups in flight stay S - 1 behind the one awaited.
   const auto issue = [&](unsigned q) {
     if (pi < items) {
-      stage_into(q % S, pa, pb, pit);
+      copy_stage<CH>(ring + (q % S) * stage_uint4s<CH>, pa, pb, lane_k + pit * 32 * CH, policy);
       step();
     }
-    if constexpr (!BULK)
-      asm volatile("cp.async.commit_group;" ::: "memory");
+    asm volatile("cp.async.commit_group;" ::: "memory");
   };
 
-  if constexpr (BULK) {
-    if (lane == 0) {
-      for (int slot = 0; slot < S; ++slot)
-        mbar_init(bars + slot, 1);
-      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    }
-    __syncwarp();
-  }
   unsigned issued = 0;
   if (early && mine < items) {
     weights(mine, pa, pb);
     for (; issued < S && issued < static_cast<unsigned>(iters); ++issued) {
-      stage_into(issued, pa, pb, static_cast<int>(issued));
-      if constexpr (!BULK)
-        asm volatile("cp.async.commit_group;" ::: "memory");
+      copy_stage<CH>(ring + issued * stage_uint4s<CH>, pa, pb, lane_k + issued * 32 * CH,
+                     policy);
+      asm volatile("cp.async.commit_group;" ::: "memory");
     }
   }
   pdl_enter();
@@ -206,25 +173,20 @@ __global__ void __launch_bounds__(mma_warps * 32, 2)
     }
   }
   const int start = next(mine);
-  unsigned q = 0; // the stage feeding the MMAs
   if (issued > 0 && start == mine) { // the early stages are the sequence's first
     pn = passes(mine);
     pit = static_cast<int>(issued) - 1;
     step();
   } else {
-    if (issued > 0) { // expert(mine) is empty: let its copies land before the slots are reused
-      if constexpr (BULK)
-        for (; q < issued; ++q) // their completions are stages 0 .. issued - 1 of the slots
-          mbar_wait(bars + q, 0);
-      else
-        asm volatile("cp.async.wait_all;" ::: "memory");
-    }
+    if (issued > 0) // expert(mine) is empty: let its copies land before the slots are reused
+      asm volatile("cp.async.wait_all;" ::: "memory");
     issued = 0;
     aim(start);
   }
   for (; issued < S; ++issued)
-    issue(q + issued);
+    issue(issued);
 
+  unsigned q = 0; // the stage feeding the MMAs
   int listed = -1; // the expert whose copies s_list[warp] holds
   for (int i = start; i < items; i = next(i + stride)) {
     const int e = i / tiles_per_expert;
@@ -259,27 +221,14 @@ __global__ void __launch_bounds__(mma_warps * 32, 2)
         token_rows<TT>(x, x_rows, first, base, count, k, lane_k, xr);
       float acc[TT][4] = {};
       for (int it = 0; it < iters; ++it, ++q) {
+        asm volatile("cp.async.wait_group %0;" ::"n"(S - 1) : "memory"); // stage q landed
         uint4 a[CH], b[CH];
-        if constexpr (BULK) {
-          // The first token tile's x chunks (always live) in flight while the stage lands.
-          uint4 x0[CH];
-#pragma unroll
-          for (int c = 0; c < CH; ++c)
-            x0[c] = __ldg(reinterpret_cast<const uint4*>(xr[0] + it * 32 * CH + c * 32));
-          mbar_wait(bars + q % S, (q / S) & 1); // stage q landed
-          read_bulk_stage<CH>(ring + (q % S) * stage_u4, a, b);
-          mma_stage_x0<CH, TT>(xr, it * 32 * CH, tiles, x0, a, b, acc);
-          issue(q + S);
-          continue;
-        } else {
-          asm volatile("cp.async.wait_group %0;" ::"n"(S - 1) : "memory"); // stage q landed
-          read_stage<CH>(ring + (q % S) * stage_u4, a, b);
-        }
+        read_stage<CH>(ring + (q % S) * stage_uint4s<CH>, a, b);
         mma_stage<CH, TT>(xr, it * 32 * CH, tiles, a, b, acc);
         issue(q + S); // into the slot just read: its registers fed the MMAs first
       }
-      write_tile<GLU, TT>(acc, tiles, base, count, first, tile, row_a(tile, g), row_b(tile, g),
-                          cols, y_out, y_f32);
+      write_tile<GLU, TT>(acc, tiles, base, count, first, tile, row_a(tile), row_b(tile), cols,
+                          y_out, y_f32);
     }
   }
   asm volatile("cp.async.wait_group 0;" ::: "memory");
@@ -298,15 +247,10 @@ int resident_blocks(Kernel kernel, int smem) {
   return per_sm * multiprocessors();
 }
 
-int bulk_flags() { // EXPERIMENT
-  static const int f = [] { const char* v = std::getenv("REFIT_BULK_FLAGS"); return v ? std::atoi(v) : 0; }();
-  return f;
-}
-
-template <int CH, bool GLU, int S, bool BULK>
+template <int CH, bool GLU, int S>
 void launch_stream(const expert_mma_args& a, int experts, cudaStream_t s) {
-  const auto kernel = expert_stream_kernel<CH, GLU, mma_token_tiles, S, BULK>;
-  const int smem = BULK ? bulk_ring_bytes<CH, S> : ring_bytes<CH, S>;
+  const auto kernel = expert_stream_kernel<CH, GLU, mma_token_tiles, S>;
+  const int smem = ring_bytes<CH, S>;
   const long long items = static_cast<long long>(experts) * (a.rows / 16);
   const long long wanted = (items + mma_warps - 1) / mma_warps;
   static const int resident = resident_blocks(kernel, smem); // once per instantiation
@@ -315,32 +259,16 @@ void launch_stream(const expert_mma_args& a, int experts, cudaStream_t s) {
   launch_smem("expert_stream", kernel, dim3(blocks), dim3(mma_warps * 32), smem, s,
               static_cast<const bf16*>(a.x), a.x_rows, static_cast<const bf16*>(a.w), a.counts,
               a.offsets, a.y, a.rows, a.k, experts, a.evict_first, a.y_f32 && !GLU, a.early,
-              a.sort, bulk_flags());
-}
-
-template <int CH, bool GLU, int S>
-void launch_stream_of(const expert_mma_args& a, int experts, cudaStream_t s) {
-  if constexpr (CH >= 2) // bulk: segments of 128 or 256 bytes a row
-    if (a.bulk)
-      return launch_stream<CH, GLU, S, true>(a, experts, s);
-  launch_stream<CH, GLU, S, false>(a, experts, s);
+              a.sort);
 }
 
 template <int CH, bool GLU>
 void stream_for_stages(const expert_mma_args& a, int experts, cudaStream_t s) {
   switch (a.stages) {
-    case 2:
-      if constexpr (CH == 4) // EXPERIMENT
-        return launch_stream_of<CH, GLU, 2>(a, experts, s);
-      break;
-    case 3:
-      if constexpr (CH == 4) // EXPERIMENT
-        return launch_stream_of<CH, GLU, 3>(a, experts, s);
-      break;
-    case 4: return launch_stream_of<CH, GLU, 4>(a, experts, s);
+    case 4: return launch_stream<CH, GLU, 4>(a, experts, s);
     case 8:
       if constexpr (CH <= 2) // 8 stages of 4 chunks would not fit in shared memory
-        return launch_stream_of<CH, GLU, 8>(a, experts, s);
+        return launch_stream<CH, GLU, 8>(a, experts, s);
       break;
   }
   throw std::invalid_argument("expert_mma (persistent): stages " + std::to_string(a.stages)
@@ -355,9 +283,6 @@ void expert_stream(const expert_mma_args& a, int chunks, int experts, cudaStream
     throw std::invalid_argument("expert_mma (persistent): max_blocks "
                                 + std::to_string(a.max_blocks)
                                 + " (0: as many as fit at once, or a positive cap)");
-  if (a.bulk && chunks < 2)
-    throw std::invalid_argument("expert_mma (persistent): bulk stages of " + std::to_string(chunks)
-                                + " chunk (2 or 4: 128 or 256 bytes a row)");
   if (experts < 1)
     return;
   if (a.sort.ids != nullptr && experts > expert_stream_sort_max_experts)
