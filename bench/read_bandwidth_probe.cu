@@ -11,7 +11,8 @@
 // (16 bytes a lane, expert_stream's staging), by 1D cp.async.bulk of 2-16 KiB, or by 2D
 // tensor-map copies of 16 rows x BK columns out of a [rows, 2048] bf16 matrix (a warp tile of
 // 16 weight rows, BK = 64..256: 2-8 KiB a copy), lane 0 issuing, the warp's lanes waiting on
-// the slot's mbarrier.
+// the slot's mbarrier. `./readbw rows`: the expert kernel's own pattern, a stage = the next
+// 256 B-1 KiB of each of a warp tile's 16 rows, by 16 1D bulk copies or per-lane cp.async.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
@@ -122,14 +123,14 @@ __global__ void read_bulk(const uint4* p, size_t region, size_t regions, int chu
 // ---- per-warp rings -----------------------------------------------------------------------
 
 // One warp's ring: `total` stages of `chunk` bytes through S slots at `slots`, stage q copied
-// by issue(q, slot) from lane 0 and completing on bar[slot]; every lane reads its bytes.
+// by issue(q, slot) (called on every lane; lane 0 arms the barrier) and completing on
+// bar[slot]; every lane reads its bytes.
 template <int S, class Issue>
 __device__ void warp_ring(char* slots, uint64_t* bar, long long total, int chunk, Issue issue) {
   const int lane = threadIdx.x & 31;
   if (lane == 0) { for (int s = 0; s < S; ++s) mbar_init(&bar[s], 1); asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
   __syncwarp();
-  if (lane == 0)
-    for (long long q = 0; q < S && q < total; ++q) issue(q, (int)q);
+  for (long long q = 0; q < S && q < total; ++q) issue(q, (int)q);
   unsigned acc = 0;
   for (long long q = 0; q < total; ++q) {
     const int s = q % S;
@@ -137,7 +138,7 @@ __device__ void warp_ring(char* slots, uint64_t* bar, long long total, int chunk
     const uint4* v = reinterpret_cast<const uint4*>(slots + s * chunk);
     for (int i = lane; i < chunk / 16; i += 32) acc ^= v[i].x ^ v[i].w;
     __syncwarp();
-    if (lane == 0 && q + S < total) issue(q + S, s);
+    if (q + S < total) issue(q + S, s);
   }
   if (acc == 0x12345678u) g_sink = acc;
 }
@@ -154,6 +155,7 @@ __global__ void warp_bulk(const char* p, size_t item, size_t items, int chunk) {
   const int per_item = item / chunk;
   const long long mine = items > (size_t)me ? ((long long)items - me + W - 1) / W : 0;
   warp_ring<S>(slots, bar[warp], mine * per_item, chunk, [&](long long q, int s) {
+    if ((threadIdx.x & 31) != 0) return;
     mbar_expect(&bar[warp][s], chunk);
     bulk(slots + s * chunk, p + ((size_t)(me + (q / per_item) * W) * item) + (q % per_item) * chunk, chunk, &bar[warp][s]);
   });
@@ -172,12 +174,93 @@ __global__ void warp_tma(const __grid_constant__ CUtensorMap map, int bands, int
   const int per_band = k / bk;
   const long long mine = bands > me ? ((long long)bands - me + W - 1) / W : 0;
   warp_ring<S>(slots, bar[warp], mine * per_band, chunk, [&](long long q, int s) {
+    if ((threadIdx.x & 31) != 0) return;
     const int row = (me + (int)(q / per_band) * W) * 16, col = (int)(q % per_band) * bk;
     mbar_expect(&bar[warp][s], chunk);
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
                  ::"r"((unsigned)__cvta_generic_to_shared(slots + s * chunk)), "l"(&map), "r"(col), "r"(row),
                  "r"((unsigned)__cvta_generic_to_shared(&bar[warp][s])) : "memory");
   });
+}
+
+// Row segments: the buffer is a [rows, k] bf16 matrix, a warp's item 16 rows (a warp tile), a
+// stage the next `seg` bytes of each of them (16 segments, k * 2 bytes apart: the expert
+// kernel's access pattern), copied by 16 1D bulk copies (lanes 0-15, one row each).
+template <int S>
+__global__ void warp_rows_bulk(const char* p, int bands, int k, int seg) {
+  extern __shared__ uint4 sm[];
+  __shared__ uint64_t bar[16][S];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int W = gridDim.x * (blockDim.x >> 5), me = blockIdx.x * (blockDim.x >> 5) + warp;
+  const int chunk = 16 * seg, per_band = k * 2 / seg;
+  char* slots = reinterpret_cast<char*>(sm) + (size_t)warp * S * chunk;
+  const long long mine = bands > me ? ((long long)bands - me + W - 1) / W : 0;
+  warp_ring<S>(slots, bar[warp], mine * per_band, chunk, [&](long long q, int s) {
+    if (lane == 0) mbar_expect(&bar[warp][s], chunk);
+    __syncwarp();
+    if (lane < 16) {
+      const size_t row = (size_t)(me + (int)(q / per_band) * W) * 16 + lane;
+      bulk(slots + s * chunk + lane * seg, p + row * k * 2 + (q % per_band) * seg, seg, &bar[warp][s]);
+    }
+  });
+}
+
+// The same pattern by per-lane 16-byte cp.async (expert_stream's staging), S commit groups.
+template <int S>
+__global__ void warp_rows_cp(const char* p, int bands, int k, int seg) {
+  extern __shared__ uint4 sm[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int W = gridDim.x * (blockDim.x >> 5), me = blockIdx.x * (blockDim.x >> 5) + warp;
+  const int chunk = 16 * seg, per_band = k * 2 / seg, u4 = chunk / 16, per_row = seg / 16;
+  char* slots = reinterpret_cast<char*>(sm) + (size_t)warp * S * chunk;
+  const long long mine = bands > me ? ((long long)bands - me + W - 1) / W : 0;
+  const long long total = mine * per_band;
+  auto copy = [&](long long q) {
+    if (q < total) {
+      const size_t band = me + (int)(q / per_band) * W;
+      for (int j = lane; j < u4; j += 32) {
+        const size_t row = band * 16 + j / per_row;
+        const char* src = p + row * k * 2 + (q % per_band) * seg + (j % per_row) * 16;
+        const unsigned d = (unsigned)__cvta_generic_to_shared(slots + (q % S) * chunk + j * 16);
+        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+      }
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  };
+  unsigned acc = 0;
+  for (int q = 0; q < S; ++q) copy(q);
+  for (long long q = 0; q < total; ++q) {
+    asm volatile("cp.async.wait_group %0;" ::"n"(S - 1) : "memory");
+    const uint4* v = reinterpret_cast<const uint4*>(slots + (q % S) * chunk);
+    for (int j = lane; j < u4; j += 32) acc ^= v[j].x ^ v[j].w;
+    __syncwarp();
+    copy(q + S);
+  }
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
+  if (acc == 0x12345678u) g_sink = acc;
+}
+
+int rows_main(int sms, uint4* buf, size_t total, cudaStream_t st, const std::function<void(const char*, double, std::function<void()>)>& timeit) {
+  char name[160];
+  for (int k : {2048, 768}) {
+    const long long rows = total / (k * 2);
+    const int bands = (int)(rows / 16);
+    for (int seg : {256, 512, 1024}) for (int S : {2, 3, 4, 8}) for (int warps : {8}) {
+      if ((k * 2) % seg) continue;
+      const int chunk = 16 * seg, smem = warps * S * chunk;
+      if (smem > 220 * 1024) continue;
+      const int per_sm = std::min(2, (220 * 1024) / smem);
+      auto go = [&](const char* how, auto kern) {
+        snprintf(name, sizeof name, "rows k%d %s 16x%dB (%dK) S%d x%d/SM", k, how, seg, chunk / 1024, S, per_sm);
+        CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+        timeit(name, (double)bands * 16 * k * 2, [&] { kern<<<sms * per_sm, warps * 32, smem, st>>>(reinterpret_cast<const char*>(buf), bands, k, seg); }); };
+      if (S == 2) { go("bulk", warp_rows_bulk<2>); go("cp  ", warp_rows_cp<2>); }
+      if (S == 3) { go("bulk", warp_rows_bulk<3>); go("cp  ", warp_rows_cp<3>); }
+      if (S == 4) { go("bulk", warp_rows_bulk<4>); go("cp  ", warp_rows_cp<4>); }
+      if (S == 8) { go("bulk", warp_rows_bulk<8>); go("cp  ", warp_rows_cp<8>); }
+    }
+  }
+  return 0;
 }
 
 int warp_main(int sms, uint4* buf, size_t total, cudaStream_t st, const std::function<void(const char*, double, std::function<void()>)>& timeit) {
@@ -246,6 +329,8 @@ int main(int argc, char** argv) {
   timeit("memcpy d2d 256MiB (r+w)", 2.0 * cb, [&] { CK(cudaMemcpyAsync(dst, buf, cb, cudaMemcpyDeviceToDevice, st)); });
   if (argc > 1 && std::strcmp(argv[1], "warp") == 0)
     return warp_main(sms, buf, total, st, timeit);
+  if (argc > 1 && std::strcmp(argv[1], "rows") == 0)
+    return rows_main(sms, buf, total, st, timeit);
   const size_t tu4 = total / 16;
   char name[160];
   // layer-cycling buffer: 48 slices of 1.2 GB (58 GB), a different slice each launch
