@@ -12,7 +12,8 @@
 // tensor-map copies of 16 rows x BK columns out of a [rows, 2048] bf16 matrix (a warp tile of
 // 16 weight rows, BK = 64..256: 2-8 KiB a copy), lane 0 issuing, the warp's lanes waiting on
 // the slot's mbarrier. `./readbw rows`: the expert kernel's own pattern, a stage = the next
-// 256 B-1 KiB of each of a warp tile's 16 rows, by 16 1D bulk copies or per-lane cp.async.
+// 256 or 512 B of each of a warp tile's 16 rows, by 16 1D bulk copies or per-lane cp.async
+// (the configurations whose rings fit in 220 KiB of shared memory).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
@@ -122,6 +123,11 @@ __global__ void read_bulk(const uint4* p, size_t region, size_t regions, int chu
 
 // ---- per-warp rings -----------------------------------------------------------------------
 
+// How many of n items warp `me` of W takes (items me, me + W, ...).
+__device__ __forceinline__ long long warp_share(long long n, int me, int W) {
+  return n > me ? (n - me + W - 1) / W : 0;
+}
+
 // One warp's ring: `total` stages of `chunk` bytes through S slots at `slots`, stage q copied
 // by issue(q, slot) (called on every lane; lane 0 arms the barrier) and completing on
 // bar[slot]; every lane reads its bytes.
@@ -153,7 +159,7 @@ __global__ void warp_bulk(const char* p, size_t item, size_t items, int chunk) {
   const int W = gridDim.x * (blockDim.x >> 5), me = blockIdx.x * (blockDim.x >> 5) + warp;
   char* slots = reinterpret_cast<char*>(sm) + (size_t)warp * S * chunk;
   const int per_item = item / chunk;
-  const long long mine = items > (size_t)me ? ((long long)items - me + W - 1) / W : 0;
+  const long long mine = warp_share((long long)items, me, W);
   warp_ring<S>(slots, bar[warp], mine * per_item, chunk, [&](long long q, int s) {
     if ((threadIdx.x & 31) != 0) return;
     mbar_expect(&bar[warp][s], chunk);
@@ -172,7 +178,7 @@ __global__ void warp_tma(const __grid_constant__ CUtensorMap map, int bands, int
   const int chunk = 16 * bk * 2;
   char* slots = reinterpret_cast<char*>(sm) + (size_t)warp * S * chunk;
   const int per_band = k / bk;
-  const long long mine = bands > me ? ((long long)bands - me + W - 1) / W : 0;
+  const long long mine = warp_share(bands, me, W);
   warp_ring<S>(slots, bar[warp], mine * per_band, chunk, [&](long long q, int s) {
     if ((threadIdx.x & 31) != 0) return;
     const int row = (me + (int)(q / per_band) * W) * 16, col = (int)(q % per_band) * bk;
@@ -194,7 +200,7 @@ __global__ void warp_rows_bulk(const char* p, int bands, int k, int seg) {
   const int W = gridDim.x * (blockDim.x >> 5), me = blockIdx.x * (blockDim.x >> 5) + warp;
   const int chunk = 16 * seg, per_band = k * 2 / seg;
   char* slots = reinterpret_cast<char*>(sm) + (size_t)warp * S * chunk;
-  const long long mine = bands > me ? ((long long)bands - me + W - 1) / W : 0;
+  const long long mine = warp_share(bands, me, W);
   warp_ring<S>(slots, bar[warp], mine * per_band, chunk, [&](long long q, int s) {
     if (lane == 0) mbar_expect(&bar[warp][s], chunk);
     __syncwarp();
@@ -213,7 +219,7 @@ __global__ void warp_rows_cp(const char* p, int bands, int k, int seg) {
   const int W = gridDim.x * (blockDim.x >> 5), me = blockIdx.x * (blockDim.x >> 5) + warp;
   const int chunk = 16 * seg, per_band = k * 2 / seg, u4 = chunk / 16, per_row = seg / 16;
   char* slots = reinterpret_cast<char*>(sm) + (size_t)warp * S * chunk;
-  const long long mine = bands > me ? ((long long)bands - me + W - 1) / W : 0;
+  const long long mine = warp_share(bands, me, W);
   const long long total = mine * per_band;
   auto copy = [&](long long q) {
     if (q < total) {
@@ -245,19 +251,19 @@ int rows_main(int sms, uint4* buf, size_t total, cudaStream_t st, const std::fun
   for (int k : {2048, 768}) {
     const long long rows = total / (k * 2);
     const int bands = (int)(rows / 16);
-    for (int seg : {256, 512, 1024}) for (int S : {2, 3, 4, 8}) for (int warps : {8}) {
+    for (int seg : {256, 512}) for (int S : {2, 3, 4}) {
       if ((k * 2) % seg) continue;
-      const int chunk = 16 * seg, smem = warps * S * chunk;
+      const int warps = 8, chunk = 16 * seg, smem = warps * S * chunk;
       if (smem > 220 * 1024) continue;
       const int per_sm = std::min(2, (220 * 1024) / smem);
       auto go = [&](const char* how, auto kern) {
         snprintf(name, sizeof name, "rows k%d %s 16x%dB (%dK) S%d x%d/SM", k, how, seg, chunk / 1024, S, per_sm);
         CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
         timeit(name, (double)bands * 16 * k * 2, [&] { kern<<<sms * per_sm, warps * 32, smem, st>>>(reinterpret_cast<const char*>(buf), bands, k, seg); }); };
-      if (S == 2) { go("bulk", warp_rows_bulk<2>); go("cp  ", warp_rows_cp<2>); }
-      if (S == 3) { go("bulk", warp_rows_bulk<3>); go("cp  ", warp_rows_cp<3>); }
-      if (S == 4) { go("bulk", warp_rows_bulk<4>); go("cp  ", warp_rows_cp<4>); }
-      if (S == 8) { go("bulk", warp_rows_bulk<8>); go("cp  ", warp_rows_cp<8>); }
+      auto both = [&](auto bulk_kern, auto cp_kern) { go("bulk", bulk_kern); go("cp  ", cp_kern); };
+      if (S == 2) both(warp_rows_bulk<2>, warp_rows_cp<2>);
+      else if (S == 3) both(warp_rows_bulk<3>, warp_rows_cp<3>);
+      else both(warp_rows_bulk<4>, warp_rows_cp<4>);
     }
   }
   return 0;
