@@ -141,10 +141,6 @@ at::Tensor fast_rank_forward::fused_decode_layer_attention(const at::Tensor& qkv
   qk.write_block = in.write_block.data_ptr<std::int64_t>();
   qk.write_slot = in.write_slot.data_ptr<std::int64_t>();
   qk.eps = static_cast<float>(cfg_.rms_norm_eps);
-  if ((l2_next_ & 2) != 0) {
-    qk.l2_next = w.o.data_ptr();
-    qk.l2_next_bytes = static_cast<long long>(w.o.numel()) * 2;
-  }
   const bool fuse_qk = attention_mma_ == 2 && attention_fused_qk_ != 0 && q_heads_ / kv_heads_ <= 8;
   at::Tensor q;
   if (!fuse_qk) {

@@ -107,7 +107,6 @@ fast_rank_forward::fast_rank_forward(const rank_forward_options& o)
   mma_stages_ = choice_knob("REFIT_EXPERT_MMA_STAGES", {"0", "4", "8"}, mma_stages_);
   mma_early_ = choice_knob("REFIT_EXPERT_MMA_EARLY", {"0", "1"}, mma_early_);
   mma_persistent_ = choice_knob("REFIT_EXPERT_MMA_PERSISTENT", {"0", "1", "2"}, mma_persistent_);
-  l2_next_ = choice_knob("REFIT_L2_NEXT", {"0", "1", "2", "3"}, l2_next_);
   expert_self_sort_ = choice_knob("REFIT_EXPERT_SELF_SORT", {"0", "1"}, expert_self_sort_);
   route_bucket_max_tokens_ = count_knob("REFIT_ROUTE_BUCKET_MAX_TOKENS", route_bucket_max_tokens_,
                                         "tokens", 256); // kernels::route_bucket_max_tokens

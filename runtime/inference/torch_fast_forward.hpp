@@ -417,10 +417,6 @@ private:
   // ring of stages (no refill at tile starts); 1: both projections (gate_up sorting the copies
   // itself), 2: the down projection only (its tiles are 12 k-steps at decode); 0: off.
   std::int64_t mma_persistent_ = 1;
-  // REFIT_L2_NEXT (bits): 1, the down kernel's warps fetch the next layer's qkv weights into L2
-  // as they finish; 2, decode attention's blocks fetch the o_proj weights before their wait.
-  std::int64_t l2_next_ = 0;
-  const at::Tensor* next_qkv_ = nullptr; // the next layer's, while a layer runs (model())
   // gate_up sorts the routed copies itself instead of the bucket kernel before it, where
   // self_sort_fits (REFIT_EXPERT_SELF_SORT): its weights stream from the end of routing, not
   // of the sort (H200 batch 64: 18.21 vs 18.40 ms a step in one lease).

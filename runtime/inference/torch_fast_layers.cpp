@@ -66,7 +66,6 @@ at::Tensor fast_rank_forward::model(const step_inputs& in, std::byte* kv_base, c
   at::Tensor next; // the next layer's normed input, when the fused mix computed it
   for (std::uint32_t layer = 0; layer < cfg_.num_hidden_layers; ++layer) {
     const layer_tensors& w = layers_[layer];
-    next_qkv_ = layer + 1 < cfg_.num_hidden_layers ? &layers_[layer + 1].qkv : nullptr;
     at::Tensor h = next.defined() ? next : norm_bf16(x, w.input_norm);
     const at::Tensor qkv = linear(h, w.qkv);
     at::Tensor kc = kv_view(kv_base, layer, 0);
@@ -350,10 +349,6 @@ at::Tensor fast_rank_forward::expert_projections(const layer_tensors& w, const a
       up.sort.out.loads_n = sort->decode ? 2 : 1;
     }
     down.y_f32 = fp32_residual_inputs(); // the fused mix adds it into the residual
-    if ((l2_next_ & 1) != 0 && next_qkv_ != nullptr && down.persistent) {
-      down.l2_next = next_qkv_->data_ptr();
-      down.l2_next_bytes = static_cast<long long>(next_qkv_->numel()) * 2;
-    }
     at::Tensor act = at::empty({copies, inter_}, bf_);
     at::Tensor ys = at::empty({copies, w.w2.size(1)}, down.y_f32 ? f32_ : bf_);
     up.y = act.data_ptr();

@@ -71,10 +71,6 @@ struct attention_qk {
   const std::int64_t* write_block = nullptr;
   const std::int64_t* write_slot = nullptr;
   float eps = 0.0f;
-  // Bytes a later kernel reads (the o_proj weights), fetched into L2 by the blocks before they
-  // wait for the kernel before them; null: none.
-  const void* l2_next = nullptr;
-  long long l2_next_bytes = 0;
 };
 bool decode_attention_supported(int d, int group);
 int decode_attention_splits(int b, int hkv);
@@ -204,10 +200,6 @@ struct expert_mma_args {
   // The counting sort in the kernel instead of bucket's (sort.ids set; the early gate_up,
   // persistent or not); counts, offsets and x_rows above are then unused.
   expert_sort_args sort;
-  // persistent: bytes a later kernel reads (the next layer's qkv weights), fetched into L2 by
-  // each warp when its items are done; null: none.
-  const void* l2_next = nullptr;
-  long long l2_next_bytes = 0;
 };
 bool expert_mma_supported(const expert_mma_args& args);
 int expert_mma_ksplit(const expert_mma_args& args, int copies, int experts, int wanted);

@@ -5,7 +5,6 @@
 #include <cuda_pipeline.h>
 
 #include <cmath>
-#include <cstdlib>
 
 namespace refit::inference::kernels::attention_detail {
 
@@ -112,17 +111,12 @@ __device__ __forceinline__ void stage_q(bf16* qs, const bf16* __restrict__ q, co
 // 16 k + 8 + g (c2, c3) of heads 2t, 2t+1. Positions and slots in 32-bit ints. Min 4 blocks
 // caps the registers at 128 (the shared memory holds 3 blocks an SM at D 128).
 template <int D, int G, int NW>
-__global__ void __launch_bounds__(NW * 32, NW == 4 ? 4 : (NW == 6 ? 2 : 1))
+__global__ void __launch_bounds__(NW * 32, 4)
   decode_attention_mma_t_kernel(const bf16* __restrict__ q, kv_target kv,
                                 const i64* __restrict__ table, int width,
                                 const i64* __restrict__ lengths, bf16* __restrict__ out,
                                 float* __restrict__ partial, int splits, int hq, int hkv,
                                 float scale, attention_qk qk) {
-  if ((threadIdx.x & 31) == 0)
-    prefetch_l2_part(qk.l2_next, qk.l2_next_bytes,
-                     ((static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x
-                      + blockIdx.x) * NW + (threadIdx.x >> 5),
-                     static_cast<long long>(gridDim.x) * gridDim.y * gridDim.z * NW);
   pdl_enter();
   static_assert(G >= 1 && G <= 8 && (D == 64 || D == 128), "decode attention (mma_t): shape");
   constexpr int TILE = 32;
@@ -240,26 +234,14 @@ __global__ void __launch_bounds__(NW * 32, NW == 4 ? 4 : (NW == 6 ? 2 : 1))
 
 } // namespace
 
-template <int D, int G, int NW>
-void launch_transposed_nw(const attention_call& a, cudaStream_t s) {
+template <int D, int G>
+void launch_transposed(const attention_call& a, cudaStream_t s) {
+  constexpr int NW = 4;
   launch_smem("decode_attention", decode_attention_mma_t_kernel<D, G, NW>,
               dim3(a.b, a.hkv, a.splits), dim3(NW * 32), mma_t_smem<D, NW>(), s,
               static_cast<const bf16*>(a.q), a.kv, a.table, a.width, a.lengths,
               static_cast<bf16*>(a.out), a.partial, a.splits, a.hq, a.hkv,
               1.0f / std::sqrt(static_cast<float>(D)), a.qk != nullptr ? *a.qk : attention_qk{});
-}
-
-template <int D, int G>
-void launch_transposed(const attention_call& a, cudaStream_t s) {
-  static const int nw = [] {
-    const char* v = std::getenv("REFIT_ATTENTION_T_WARPS");
-    return v != nullptr ? std::atoi(v) : 4;
-  }();
-  if (nw == 6)
-    return launch_transposed_nw<D, G, 6>(a, s);
-  if (nw == 8)
-    return launch_transposed_nw<D, G, 8>(a, s);
-  launch_transposed_nw<D, G, 4>(a, s);
 }
 
 template void launch_transposed<64, 1>(const attention_call&, cudaStream_t);

@@ -194,25 +194,6 @@ __device__ __forceinline__ void pdl_enter() {
 #endif
 }
 
-// Part `part` of `parts` of the bytes [p, p + bytes) (p 16-byte aligned, bytes a multiple of 16)
-// fetched into L2 by the calling thread (cp.async.bulk.prefetch.L2: no registers, no completion
-// to wait for): weights a later kernel reads, brought in while this one is latency-bound.
-__device__ __forceinline__ void prefetch_l2_part(const void* p, long long bytes, long long part,
-                                                 long long parts) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (p == nullptr || bytes <= 0 || parts <= 0)
-    return;
-  const long long piece = ((bytes + parts - 1) / parts + 15) & ~15LL;
-  long long lo = part * piece;
-  const long long hi = lo + piece < bytes ? lo + piece : bytes;
-  for (; lo < hi; lo += 65536) {
-    const unsigned n = static_cast<unsigned>(hi - lo < 65536 ? hi - lo : 65536);
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(static_cast<const char*>(p) + lo),
-                 "r"(n) : "memory");
-  }
-#endif
-}
-
 // Whether launch() sets the attribute (set_programmatic_launch, from REFIT_PDL).
 inline std::atomic<bool> programmatic_launch{true};
 

@@ -44,7 +44,7 @@ __global__ void __launch_bounds__(mma_warps * 32, 2)
                        const bf16* __restrict__ w, const i64* __restrict__ counts,
                        const int* __restrict__ offsets, void* __restrict__ y_out, int rows, int k,
                        int experts, bool evict_first, bool y_f32, bool early,
-                       expert_sort_args ss, const void* l2_next, long long l2_next_bytes) {
+                       expert_sort_args ss) {
   extern __shared__ uint4 mma_smem[];
   __shared__ int s_count[expert_stream_sort_max_experts];
   __shared__ int s_less[expert_stream_sort_max_experts];
@@ -231,8 +231,6 @@ __global__ void __launch_bounds__(mma_warps * 32, 2)
                           y_out, y_f32);
     }
   }
-  if (lane == 0)
-    prefetch_l2_part(l2_next, l2_next_bytes, mine, stride);
   asm volatile("cp.async.wait_group 0;" ::: "memory");
 }
 
@@ -261,7 +259,7 @@ void launch_stream(const expert_mma_args& a, int experts, cudaStream_t s) {
   launch_smem("expert_stream", kernel, dim3(blocks), dim3(mma_warps * 32), smem, s,
               static_cast<const bf16*>(a.x), a.x_rows, static_cast<const bf16*>(a.w), a.counts,
               a.offsets, a.y, a.rows, a.k, experts, a.evict_first, a.y_f32 && !GLU, a.early,
-              a.sort, a.l2_next, a.l2_next_bytes);
+              a.sort);
 }
 
 template <int CH, bool GLU>

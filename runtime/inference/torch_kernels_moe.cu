@@ -1,8 +1,6 @@
 // The bf16 engine's MoE kernels (see torch_kernels.hpp): routing, the counting sort by expert,
 // the per-expert GEMV of small batches, SiLU x up, and the weighted mix of the experts' outputs
 // back into the residual stream (optionally fused with the next RMSNorm).
-#include <cstdlib>
-
 #include "runtime/inference/torch_kernels.hpp"
 #include "runtime/inference/torch_kernels_common.cuh"
 
@@ -366,10 +364,7 @@ void route(const void* logits, int n, int experts, int top_k, bool renormalize,
 
 void route_f32(const float* logits, const float* lo, int n, int experts, int top_k,
                bool renormalize, std::int64_t* ids, float* weights, void* stream) {
-  static const int threads = [] {
-    const char* v = std::getenv("REFIT_ROUTE_THREADS");
-    return v != nullptr ? std::atoi(v) : 256;
-  }();
+  const int threads = 256;
   const int blocks = (n * 32 + threads - 1) / threads;
   launch("route", route_f32_kernel, dim3(blocks), dim3(threads), as_stream(stream), logits, lo, n,
          experts, top_k, renormalize, ids, weights);
