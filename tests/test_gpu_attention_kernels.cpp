@@ -2,7 +2,8 @@
 // 0 on CUDA cores, 1 and 2 on the tensor cores) against a host reference (fp64 over the same
 // bf16 q / K / V) over shuffled block tables, lengths inside one block, across block boundaries
 // and one past a tile of 32, one and several splits, at head_dim 64 and 128 and groups 1 to 16
-// (group 16 always on CUDA cores), the cache of the second of two layers.
+// (group 16 always on CUDA cores), mode 2 at 4, 6 and 8 warps a block, the cache of the second
+// of two layers.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -90,14 +91,21 @@ TEST(GpuAttentionKernels, DecodeAttentionMatchesTheHostReferenceOnEveryKernel) {
     kv.part_elems = part;
     kv.layer_offset = layer * 2 * part;
     kv.block_size = block;
-    for (const int mode : {0, 1, 2})
+    struct kernel_choice {
+      int mode, warps;
+    };
+    for (const kernel_choice k : {kernel_choice{0, 4}, kernel_choice{1, 4}, kernel_choice{2, 4},
+                                  kernel_choice{2, 6}, kernel_choice{2, 8}})
       for (const int splits : {1, 3, 16}) {
+        const int mode = k.mode;
+        // Groups past 8 run on CUDA cores at 4 warps; more warps there are refused (below).
+        const int warps = c.group <= 8 ? k.warps : 4;
         device_vec<std::uint16_t> out(reference.size());
         CUDA_OK(cudaMemset(out.p, 0xff, out.n * 2)); // NaN: an element left unwritten shows
         device_vec<float> partial(static_cast<std::size_t>(b) * hq * splits * (d + 2));
         kernels::decode_attention(d_q.p, kv, d_table.p, width, d_lengths.p, out.p,
                                   splits > 1 ? partial.p : nullptr, splits, b, hq, hkv, d,
-                                  nullptr, mode);
+                                  nullptr, mode, nullptr, warps);
         CUDA_OK(cudaDeviceSynchronize());
         const auto got = out.host();
         double worst = 0;
@@ -107,7 +115,7 @@ TEST(GpuAttentionKernels, DecodeAttentionMatchesTheHostReferenceOnEveryKernel) {
           worst = std::max(worst, std::abs(g - reference[i]) / (std::abs(reference[i]) + 0.05));
         }
         EXPECT_LT(worst, 0.02) << "d " << d << " group " << c.group << " splits " << splits
-                               << " mode " << mode;
+                               << " mode " << mode << " warps " << warps;
       }
   }
 }
@@ -142,6 +150,26 @@ TEST(GpuAttentionKernels, UnsupportedShapesAndSplitsAreRefused) {
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("fused q/k of mode 1"), std::string::npos) << e.what();
   }
+  struct refused_warps {
+    int mode, hq, warps;
+    const char* message;
+  };
+  for (const refused_warps r : {refused_warps{2, 8, 5, "5 warps a block in mode 2, group 8"},
+                                refused_warps{1, 8, 6, "6 warps a block in mode 1, group 8"},
+                                refused_warps{2, 16, 8, "8 warps a block in mode 2, group 16"}}) {
+    try {
+      kernels::decode_attention(nullptr, kv, nullptr, 1, nullptr, nullptr, nullptr, 1, 1, r.hq, 1,
+                                128, nullptr, r.mode, nullptr, r.warps);
+      ADD_FAILURE() << r.message << " accepted";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(r.message), std::string::npos) << e.what();
+    }
+  }
+  // Six warps while two blocks an SM hold the grid, else four.
+  int sms = 0;
+  CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  EXPECT_EQ(kernels::decode_attention_warps(2 * sms), 6);
+  EXPECT_EQ(kernels::decode_attention_warps(2 * sms + 1), 4);
   EXPECT_GE(kernels::decode_attention_splits(1, 4), 1);
   EXPECT_LE(kernels::decode_attention_splits(1, 4), kernels::max_attention_splits);
 }

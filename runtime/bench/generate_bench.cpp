@@ -425,16 +425,14 @@ json generate_bench::run() {
   // The engine's tuning knobs that were set (the runtime inherits this environment), so a
   // result says which kernels it measured (docs/operations.md).
   out["engine_env"] = json::object();
-  for (const char* knob : {"REFIT_PDL", "REFIT_TP_COMM", "REFIT_EXPERT_GEMV_MAX_COPIES",
-                           "REFIT_EXPERT_MMA_MAX_COPIES", "REFIT_EXPERT_MMA_KSPLIT",
-                           "REFIT_EXPERT_MMA_CHUNKS", "REFIT_EXPERT_MMA_EVICT_FIRST",
-                           "REFIT_DENSE_GEMV_MAX_ROWS", "REFIT_DENSE_MMA_MAX_ROWS",
-                           "REFIT_FUSED_SAMPLING", "REFIT_ROUTER_SPLIT", "REFIT_LOGITS_FP32",
-                           "REFIT_RESIDUAL_FP32", "REFIT_ATTENTION_MMA",
-                           "REFIT_ATTENTION_SPLITS", "REFIT_EXPERT_MMA_STAGES",
-                           "REFIT_EXPERT_MMA_EARLY", "REFIT_EXPERT_MMA_PERSISTENT",
-                           "REFIT_ROUTE_BUCKET_MAX_TOKENS", "REFIT_ROUTER_MMA_MAX_ROWS",
-                           "REFIT_ATTENTION_FUSED_QK"})
+  for (const char* knob :
+       {"REFIT_PDL", "REFIT_TP_COMM", "REFIT_EXPERT_GEMV_MAX_COPIES", "REFIT_EXPERT_MMA_MAX_COPIES",
+        "REFIT_EXPERT_MMA_KSPLIT", "REFIT_EXPERT_MMA_CHUNKS", "REFIT_EXPERT_MMA_EVICT_FIRST",
+        "REFIT_DENSE_GEMV_MAX_ROWS", "REFIT_DENSE_MMA_MAX_ROWS", "REFIT_FUSED_SAMPLING",
+        "REFIT_ROUTER_SPLIT", "REFIT_LOGITS_FP32", "REFIT_RESIDUAL_FP32", "REFIT_ATTENTION_MMA",
+        "REFIT_ATTENTION_SPLITS", "REFIT_ATTENTION_WARPS", "REFIT_EXPERT_MMA_STAGES",
+        "REFIT_EXPERT_MMA_EARLY", "REFIT_EXPERT_MMA_PERSISTENT", "REFIT_EXPERT_SELF_SORT",
+        "REFIT_ROUTE_BUCKET_MAX_TOKENS", "REFIT_ROUTER_MMA_MAX_ROWS", "REFIT_ATTENTION_FUSED_QK"})
     if (const char* v = std::getenv(knob); v != nullptr)
       out["engine_env"][knob] = v;
   out["compute_dtype"] = cfg_.runtime.compute_dtype;

@@ -159,6 +159,11 @@ at::Tensor fast_rank_forward::fused_decode_layer_attention(const at::Tensor& qkv
   at::Tensor partial;
   if (splits > 1)
     partial = at::empty({n, q_heads_, splits, head_dim_ + 2}, f32_);
+  int warps = 4; // mode 2 only: from the grid, or REFIT_ATTENTION_WARPS
+  if (attention_mma_ == 2 && q_heads_ / kv_heads_ <= 8)
+    warps = attention_warps_ > 0
+              ? static_cast<int>(attention_warps_)
+              : kernels::decode_attention_warps(static_cast<int>(n * kv_heads_) * splits);
   kernels::decode_attention(fuse_qk ? nullptr : q.data_ptr(), kv,
                             in.table.data_ptr<std::int64_t>(),
                             static_cast<int>(in.table.size(1)),
@@ -166,7 +171,7 @@ at::Tensor fast_rank_forward::fused_decode_layer_attention(const at::Tensor& qkv
                             splits > 1 ? partial.data_ptr<float>() : nullptr, splits,
                             static_cast<int>(n), static_cast<int>(q_heads_),
                             static_cast<int>(kv_heads_), static_cast<int>(head_dim_), stream(),
-                            static_cast<int>(attention_mma_), fuse_qk ? &qk : nullptr);
+                            static_cast<int>(attention_mma_), fuse_qk ? &qk : nullptr, warps);
   return out;
 #else
   (void)qkv, (void)w, (void)in, (void)kv_base, (void)layer;

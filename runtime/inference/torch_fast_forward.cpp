@@ -119,6 +119,7 @@ fast_rank_forward::fast_rank_forward(const rank_forward_options& o)
   attention_fused_qk_ = choice_knob("REFIT_ATTENTION_FUSED_QK", {"0", "1"}, attention_fused_qk_);
   attention_splits_ =
     count_knob("REFIT_ATTENTION_SPLITS", attention_splits_, "splits", 16); // max_attention_splits
+  attention_warps_ = choice_knob("REFIT_ATTENTION_WARPS", {"0", "4", "6", "8"}, attention_warps_);
   dense_gemv_max_rows_ = count_knob("REFIT_DENSE_GEMV_MAX_ROWS", dense_gemv_max_rows_, "rows", 8);
   dense_mma_max_rows_ = count_knob("REFIT_DENSE_MMA_MAX_ROWS", dense_mma_max_rows_, "rows", 64);
   router_mma_max_rows_ =

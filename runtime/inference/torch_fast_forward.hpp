@@ -461,6 +461,9 @@ private:
   // Decode attention's splits of each sequence (REFIT_ATTENTION_SPLITS, at most 16); 0: chosen
   // from the batch (decode_attention_splits).
   std::int64_t attention_splits_ = 0;
+  // Mode 2's warps a block (REFIT_ATTENTION_WARPS=4|6|8); 0: chosen from the grid
+  // (decode_attention_warps: 6 where two blocks an SM hold it, else 4).
+  std::int64_t attention_warps_ = 0;
   // Pipelined decode steps (REFIT_PIPELINE_DECODE, 0 turns it off for comparison).
   std::int64_t pipeline_decode_ = 1;
 #if defined(REFIT_TORCH_CUDA)

@@ -365,9 +365,12 @@ int decode_attention_splits(int b, int hkv) {
   return want < 1 ? 1 : (want > max_attention_splits ? max_attention_splits : want);
 }
 
+int decode_attention_warps(int blocks) { return blocks <= 2 * multiprocessors() ? 6 : 4; }
+
 void decode_attention(const void* q, kv_target kv, const std::int64_t* table, int width,
                       const std::int64_t* lengths, void* out, float* partial, int splits, int b,
-                      int hq, int hkv, int d, void* stream, int mode, const attention_qk* qk) {
+                      int hq, int hkv, int d, void* stream, int mode, const attention_qk* qk,
+                      int warps) {
   if (mode < 0 || mode > 2)
     throw std::invalid_argument("decode_attention: mode " + std::to_string(mode)
                                 + " (0 CUDA cores, 1 tensor cores, 2 transposed tensor cores)");
@@ -379,7 +382,14 @@ void decode_attention(const void* q, kv_target kv, const std::int64_t* table, in
     throw std::invalid_argument("decode_attention: " + std::to_string(splits)
                                 + " splits (1.." + std::to_string(max_attention_splits)
                                 + ", a partial buffer when > 1)");
-  const attention_call a{q, kv, table, width, lengths, out, partial, splits, b, hq, hkv, mode, qk};
+  if ((warps != 4 && warps != 6 && warps != 8)
+      || (warps != 4 && (mode != 2 || hkv < 1 || hq / hkv > 8)))
+    throw std::invalid_argument("decode_attention: " + std::to_string(warps)
+                                + " warps a block in mode " + std::to_string(mode) + ", group "
+                                + std::to_string(hkv > 0 ? hq / hkv : 0)
+                                + " (4; 6 or 8 in mode 2 up to group 8 only)");
+  const attention_call a{q, kv, table, width, lengths, out, partial, splits, b, hq, hkv, mode, qk,
+                         warps};
   const int group = hq / hkv;
   if (d == 64)
     dispatch_group<64>(group, a, as_stream(stream));

@@ -156,10 +156,12 @@ struct attention_call {
   int splits, b, hq, hkv;
   int mode; // decode_attention's
   const attention_qk* qk;
+  int warps; // mode 2's warps a block: 4, 6 or 8
 };
 
-// Mode 2's kernel (torch_kernels_attention_t.cu, instantiated for D 64 and 128, G 1, 2, 4 and 8)
-// over grid (b, hkv, splits), with its own q/k when a.qk is set; the merge is the caller's.
+// Mode 2's kernel (torch_kernels_attention_t.cu, instantiated for D 64 and 128, G 1, 2, 4 and 8,
+// 4, 6 or 8 warps a block) over grid (b, hkv, splits), with its own q/k when a.qk is set; the
+// merge is the caller's.
 template <int D, int G>
 void launch_transposed(const attention_call& a, cudaStream_t s);
 

@@ -108,10 +108,14 @@ __device__ __forceinline__ void stage_q(bf16* qs, const bf16* __restrict__ q, co
 // (the 8 heads as columns): its b0 / b1, P[head g][positions 2t, 2t+1 / 2t+8, 2t+9] of a
 // 16-position k-step, are c0, c1 of S's two column tiles of that step, packed to bf16 in two
 // parts (hi + lo) as above. C of O^T: thread (g, t) holds dims 16 k + g (c0, c1) and
-// 16 k + 8 + g (c2, c3) of heads 2t, 2t+1. Positions and slots in 32-bit ints. Min 4 blocks
-// caps the registers at 128 (the shared memory holds 3 blocks an SM at D 128).
+// 16 k + 8 + g (c2, c3) of heads 2t, 2t+1. Positions and slots in 32-bit ints. NW warps a
+// block (decode_attention_warps): at 4 a minimum of 4 blocks caps the registers at 128 (the
+// shared memory holds 3 blocks an SM at D 128); 6 warps fit 2 blocks an SM, 8 warps 1.
+template <int NW>
+constexpr int mma_t_min_blocks = NW == 4 ? 4 : (NW == 6 ? 2 : 1);
+
 template <int D, int G, int NW>
-__global__ void __launch_bounds__(NW * 32, 4)
+__global__ void __launch_bounds__(NW * 32, mma_t_min_blocks<NW>)
   decode_attention_mma_t_kernel(const bf16* __restrict__ q, kv_target kv,
                                 const i64* __restrict__ table, int width,
                                 const i64* __restrict__ lengths, bf16* __restrict__ out,
@@ -234,14 +238,22 @@ __global__ void __launch_bounds__(NW * 32, 4)
 
 } // namespace
 
-template <int D, int G>
-void launch_transposed(const attention_call& a, cudaStream_t s) {
-  constexpr int NW = 4;
+template <int D, int G, int NW>
+void launch_transposed_warps(const attention_call& a, cudaStream_t s) {
   launch_smem("decode_attention", decode_attention_mma_t_kernel<D, G, NW>,
               dim3(a.b, a.hkv, a.splits), dim3(NW * 32), mma_t_smem<D, NW>(), s,
               static_cast<const bf16*>(a.q), a.kv, a.table, a.width, a.lengths,
               static_cast<bf16*>(a.out), a.partial, a.splits, a.hq, a.hkv,
               1.0f / std::sqrt(static_cast<float>(D)), a.qk != nullptr ? *a.qk : attention_qk{});
+}
+
+template <int D, int G>
+void launch_transposed(const attention_call& a, cudaStream_t s) {
+  switch (a.warps) { // checked by decode_attention
+    case 6: return launch_transposed_warps<D, G, 6>(a, s);
+    case 8: return launch_transposed_warps<D, G, 8>(a, s);
+    default: return launch_transposed_warps<D, G, 4>(a, s);
+  }
 }
 
 template void launch_transposed<64, 1>(const attention_call&, cudaStream_t);
