@@ -1,8 +1,6 @@
 // The bf16 engine's MoE kernels (see torch_kernels.hpp): routing, the counting sort by expert,
 // the per-expert GEMV of small batches, SiLU x up, and the weighted mix of the experts' outputs
 // back into the residual stream (optionally fused with the next RMSNorm).
-#include <cstdlib>
-
 #include "runtime/inference/torch_kernels.hpp"
 #include "runtime/inference/torch_kernels_common.cuh"
 
@@ -24,7 +22,7 @@ constexpr int tally_experts = max_bucket_experts * 4 / 32; // one byte per (warp
 // router's logit as a float.
 template <class Logit>
 __device__ void route_token(Logit logit, int token, int experts, int top_k, bool renormalize,
-                            i64* __restrict__ ids, float* __restrict__ weights, int trigger = 0) {
+                            i64* __restrict__ ids, float* __restrict__ weights) {
   const int lane = threadIdx.x & 31;
   float v[max_experts_per_lane];
   float mx = -INFINITY;
@@ -33,8 +31,6 @@ __device__ void route_token(Logit logit, int token, int experts, int top_k, bool
     v[j] = e < experts ? logit(token, e) : -INFINITY;
     mx = fmaxf(mx, v[j]);
   }
-  if (trigger == 1)
-    pdl_trigger();
   mx = warp_max(mx);
   float sum = 0.0f;
   for (int j = 0; j < max_experts_per_lane; ++j) {
@@ -86,8 +82,6 @@ __device__ void route_token(Logit logit, int token, int experts, int top_k, bool
       for (int k = 32; k < top_k; ++k)
         token_weights[k] /= total;
   }
-  if (trigger == 2)
-    pdl_trigger();
 }
 
 __global__ void route_kernel(const bf16* __restrict__ logits, int n, int experts, int top_k,
@@ -113,14 +107,12 @@ struct split_logit {
 
 __global__ void route_f32_kernel(const float* __restrict__ logits, const float* __restrict__ lo,
                                  int n, int experts, int top_k, bool renormalize,
-                                 i64* __restrict__ ids, float* __restrict__ weights, int trigger) {
-  pdl_wait();
-  if (trigger == 0)
-    pdl_trigger();
+                                 i64* __restrict__ ids, float* __restrict__ weights) {
+  pdl_enter();
   const int token = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   if (token < n)
     route_token(split_logit{logits, lo, experts}, token, experts, top_k, renormalize, ids,
-                weights, trigger);
+                weights);
 }
 
 // ----------------------------------------------------------------- bucket by expert
@@ -374,12 +366,8 @@ void route_f32(const float* logits, const float* lo, int n, int experts, int top
                bool renormalize, std::int64_t* ids, float* weights, void* stream) {
   const int threads = 256;
   const int blocks = (n * 32 + threads - 1) / threads;
-  static const int trigger = [] {
-    const char* v = std::getenv("REFIT_ROUTE_TRIGGER");
-    return v != nullptr ? std::atoi(v) : 0;
-  }();
   launch("route", route_f32_kernel, dim3(blocks), dim3(threads), as_stream(stream), logits, lo, n,
-         experts, top_k, renormalize, ids, weights, trigger);
+         experts, top_k, renormalize, ids, weights);
 }
 
 bool bucket_supported(int copies, int experts) {
