@@ -9,7 +9,6 @@
 // Here the ring runs ahead across item boundaries: the next tile's first stages are in flight
 // while the last ones of this tile feed the MMAs.
 #include <algorithm>
-#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -266,16 +265,7 @@ void launch_stream(const expert_mma_args& a, int experts, cudaStream_t s) {
 template <int CH, bool GLU>
 void stream_for_stages(const expert_mma_args& a, int experts, cudaStream_t s) {
   switch (a.stages) {
-    case 3: return launch_stream<CH, GLU, 3>(a, experts, s);
     case 4: return launch_stream<CH, GLU, 4>(a, experts, s);
-    case 5:
-      if constexpr (CH <= 2)
-        return launch_stream<CH, GLU, 5>(a, experts, s);
-      break;
-    case 6:
-      if constexpr (CH <= 2)
-        return launch_stream<CH, GLU, 6>(a, experts, s);
-      break;
     case 8:
       if constexpr (CH <= 2) // 8 stages of 4 chunks would not fit in shared memory
         return launch_stream<CH, GLU, 8>(a, experts, s);
@@ -288,20 +278,7 @@ void stream_for_stages(const expert_mma_args& a, int experts, cudaStream_t s) {
 
 } // namespace
 
-void expert_stream(const expert_mma_args& args, int chunks, int experts, cudaStream_t s) {
-  static const int up_stages = [] {
-    const char* v = std::getenv("REFIT_STREAM_STAGES_UP");
-    return v != nullptr ? std::atoi(v) : 0;
-  }();
-  static const int down_stages = [] {
-    const char* v = std::getenv("REFIT_STREAM_STAGES_DOWN");
-    return v != nullptr ? std::atoi(v) : 0;
-  }();
-  expert_mma_args a = args;
-  if (a.glu && up_stages > 0)
-    a.stages = up_stages;
-  if (!a.glu && down_stages > 0)
-    a.stages = down_stages;
+void expert_stream(const expert_mma_args& a, int chunks, int experts, cudaStream_t s) {
   if (a.max_blocks < 0)
     throw std::invalid_argument("expert_mma (persistent): max_blocks "
                                 + std::to_string(a.max_blocks)
