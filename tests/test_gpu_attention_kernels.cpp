@@ -97,9 +97,9 @@ TEST(GpuAttentionKernels, DecodeAttentionMatchesTheHostReferenceOnEveryKernel) {
     for (const kernel_choice k : {kernel_choice{0, 4}, kernel_choice{1, 4}, kernel_choice{2, 4},
                                   kernel_choice{2, 6}, kernel_choice{2, 8}})
       for (const int splits : {1, 3, 16}) {
-        const int mode = k.mode;
-        // Groups past 8 run on CUDA cores at 4 warps; more warps there are refused (below).
-        const int warps = c.group <= 8 ? k.warps : 4;
+        const int mode = k.mode, warps = k.warps;
+        if (c.group > 8 && warps != 4)
+          continue; // group 16 runs on CUDA cores at 4 warps; more are refused (below)
         device_vec<std::uint16_t> out(reference.size());
         CUDA_OK(cudaMemset(out.p, 0xff, out.n * 2)); // NaN: an element left unwritten shows
         device_vec<float> partial(static_cast<std::size_t>(b) * hq * splits * (d + 2));
@@ -165,11 +165,15 @@ TEST(GpuAttentionKernels, UnsupportedShapesAndSplitsAreRefused) {
       EXPECT_NE(std::string(e.what()).find(r.message), std::string::npos) << e.what();
     }
   }
-  // Six warps while two blocks an SM hold the grid, else four.
+  // Mode 2 up to group 8: the wanted count, else six while two blocks an SM hold the grid, else
+  // four; four wherever the kernel has no choice.
   int sms = 0;
   CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  EXPECT_EQ(kernels::decode_attention_warps(2 * sms), 6);
-  EXPECT_EQ(kernels::decode_attention_warps(2 * sms + 1), 4);
+  EXPECT_EQ(kernels::decode_attention_warps(2 * sms, 2, 8), 6);
+  EXPECT_EQ(kernels::decode_attention_warps(2 * sms + 1, 2, 8), 4);
+  EXPECT_EQ(kernels::decode_attention_warps(2 * sms + 1, 2, 8, 8), 8);
+  EXPECT_EQ(kernels::decode_attention_warps(1, 1, 8), 4);
+  EXPECT_EQ(kernels::decode_attention_warps(1, 2, 16, 6), 4);
   EXPECT_GE(kernels::decode_attention_splits(1, 4), 1);
   EXPECT_LE(kernels::decode_attention_splits(1, 4), kernels::max_attention_splits);
 }

@@ -159,11 +159,9 @@ at::Tensor fast_rank_forward::fused_decode_layer_attention(const at::Tensor& qkv
   at::Tensor partial;
   if (splits > 1)
     partial = at::empty({n, q_heads_, splits, head_dim_ + 2}, f32_);
-  int warps = 4; // mode 2 only: from the grid, or REFIT_ATTENTION_WARPS
-  if (attention_mma_ == 2 && q_heads_ / kv_heads_ <= 8)
-    warps = attention_warps_ > 0
-              ? static_cast<int>(attention_warps_)
-              : kernels::decode_attention_warps(static_cast<int>(n * kv_heads_) * splits);
+  const int warps = kernels::decode_attention_warps( // REFIT_ATTENTION_WARPS, or from the grid
+    static_cast<int>(n * kv_heads_) * splits, static_cast<int>(attention_mma_),
+    static_cast<int>(q_heads_ / kv_heads_), static_cast<int>(attention_warps_));
   kernels::decode_attention(fuse_qk ? nullptr : q.data_ptr(), kv,
                             in.table.data_ptr<std::int64_t>(),
                             static_cast<int>(in.table.size(1)),

@@ -59,11 +59,13 @@ void set_programmatic_launch(bool on);
 // With `qk` (mode 2 only), the kernel does qk_norm_rope_write's work itself: each block computes
 // its group's q heads from qkv into shared memory (`q` unused), and the block that reads a
 // sequence's last position writes that position's K and V (normed, RoPE'd) into the cache first.
-// warps: mode 2's warps a block, 4, 6 or 8 (each takes 32 positions at a time, so more warps run
-// more of a block's tiles side by side while fewer blocks fit on an SM: 3, 2 and 1 at head_dim
-// 128); other modes take 4 only. decode_attention_warps(blocks): 6 when a grid of `blocks`
-// (b * hkv * splits) fits two an SM on the current device, else 4 (H200 batch 64: 17.755 /
-// 17.757 ms a step at 6 against 17.789 / 17.792 at 4, 17.72 at 8).
+// warps: mode 2's warps a block up to group 8, 4, 6 or 8 (each takes 32 positions at a time, so
+// more warps run more of a block's tiles side by side while fewer blocks fit on an SM: 3, 2 and
+// 1 at head_dim 128); other modes and groups take 4 only. decode_attention_warps(blocks, mode,
+// group, wanted): the count for a grid of `blocks` (b * hkv * splits): 4 where the kernel has no
+// choice, else `wanted` when > 0, else 6 when the grid fits two blocks an SM on the current
+// device and 4 past that (H200, one lease: batch 64 17.718 / 17.719 ms a step at 6 against
+// 17.749 / 17.762 at 4 and 17.906 / 17.913 at 8).
 inline constexpr int max_attention_splits = 16;
 struct attention_qk {
   const void* qkv = nullptr; // bf16 [b, (hq + 2 hkv) * d]
@@ -79,7 +81,7 @@ struct attention_qk {
 };
 bool decode_attention_supported(int d, int group);
 int decode_attention_splits(int b, int hkv);
-int decode_attention_warps(int blocks);
+int decode_attention_warps(int blocks, int mode, int group, int wanted = 0);
 void decode_attention(const void* q, kv_target kv, const std::int64_t* table, int width,
                       const std::int64_t* lengths, void* out, float* partial, int splits, int b,
                       int hq, int hkv, int d, void* stream, int mode = 1,

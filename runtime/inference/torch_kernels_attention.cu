@@ -365,7 +365,20 @@ int decode_attention_splits(int b, int hkv) {
   return want < 1 ? 1 : (want > max_attention_splits ? max_attention_splits : want);
 }
 
-int decode_attention_warps(int blocks) { return blocks <= 2 * multiprocessors() ? 6 : 4; }
+namespace {
+
+// Where decode_attention takes other than 4 warps a block: mode 2's kernel (groups up to 8).
+bool warps_choosable(int mode, int group) { return mode == 2 && group >= 1 && group <= 8; }
+
+} // namespace
+
+int decode_attention_warps(int blocks, int mode, int group, int wanted) {
+  if (!warps_choosable(mode, group))
+    return 4;
+  if (wanted > 0)
+    return wanted;
+  return blocks <= 2 * multiprocessors() ? 6 : 4;
+}
 
 void decode_attention(const void* q, kv_target kv, const std::int64_t* table, int width,
                       const std::int64_t* lengths, void* out, float* partial, int splits, int b,
@@ -382,11 +395,12 @@ void decode_attention(const void* q, kv_target kv, const std::int64_t* table, in
     throw std::invalid_argument("decode_attention: " + std::to_string(splits)
                                 + " splits (1.." + std::to_string(max_attention_splits)
                                 + ", a partial buffer when > 1)");
+  const int group_or_0 = hkv > 0 ? hq / hkv : 0;
   if ((warps != 4 && warps != 6 && warps != 8)
-      || (warps != 4 && (mode != 2 || hkv < 1 || hq / hkv > 8)))
+      || (warps != 4 && !warps_choosable(mode, group_or_0)))
     throw std::invalid_argument("decode_attention: " + std::to_string(warps)
                                 + " warps a block in mode " + std::to_string(mode) + ", group "
-                                + std::to_string(hkv > 0 ? hq / hkv : 0)
+                                + std::to_string(group_or_0)
                                 + " (4; 6 or 8 in mode 2 up to group 8 only)");
   const attention_call a{q, kv, table, width, lengths, out, partial, splits, b, hq, hkv, mode, qk,
                          warps};
