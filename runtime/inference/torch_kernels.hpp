@@ -15,9 +15,11 @@ namespace refit::inference::kernels {
 void rms_norm(const float* x, const void* w, void* out, int rows, int n, float eps, void* stream);
 // x[r] += y[r] (bf16, fp32 with y_f32), then out[r] = RMSNorm(x[r]) as rms_norm (the residual
 // add and the next norm); with lo (bf16 [rows, n], may be null) also lo[r] = bf16(normed -
-// out[r]), its rounding error.
+// out[r]), its rounding error. fp32 y may hold y_parts slices [rows, n] one after another (a
+// split-K GEMM's partial sums), added in order into x[r]; more than one with bf16 y throws
+// std::invalid_argument.
 void add_rms_norm(float* x, const void* y, const void* w, void* out, int rows, int n, float eps,
-                  void* stream, void* lo = nullptr, bool y_f32 = false);
+                  void* stream, void* lo = nullptr, bool y_f32 = false, int y_parts = 1);
 
 struct kv_target {
   void* base = nullptr;            // the arena
@@ -244,9 +246,12 @@ void silu_mul(const void* gate_up, void* act, std::int64_t m, int i, void* strea
 
 // x fp32 [n, h] += sum_j weights[t, j] * y[inverse[t * top_k + j]] (y bf16 [n * top_k, h], fp32
 // with y_f32); then, when norm_w is given, norm_out bf16 [n, h] = RMSNorm(x) with norm_w.
+// early (where h % 256 == 0, h <= 8192, top_k <= 32): inverse, weights, x and norm_w are read
+// before the programmatic wait, so they must have been written by kernels that ran before the
+// one just before this (which writes y); the same bits either way.
 void mix_experts(const void* y, const std::int64_t* inverse, const float* weights, float* x,
                  int n, int top_k, int h, const void* norm_w, void* norm_out, float eps,
-                 void* stream, bool y_f32 = false);
+                 void* stream, bool y_f32 = false, bool early = false);
 
 // x fp32 [n, h] += bf16 y [n, h].
 void add_bf16(float* x, const void* y, std::int64_t elements, void* stream);

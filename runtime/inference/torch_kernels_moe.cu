@@ -301,17 +301,72 @@ __global__ void silu_mul_kernel(const bf16* __restrict__ gate_up, bf16* __restri
 // One block per token: x[t] += sum_j weights[t, j] * y[inverse[t, j]], columns by 8 (one
 // 16-byte load per expert) when h % 8 == 0; then, when norm_w is given, norm_out[t] =
 // RMSNorm(x[t]) (the next layer's input norm).
+//
+// Early (one 8-column chunk a thread: h == 8 * blockDim.x, top_k <= max_mix_early_top_k): the
+// routing (inverse, weights), the residual row and the norm weights are read before the wait
+// (pdl_enter), through L2 (ld.global.cg), and the normed row comes from registers. That is
+// sound because the kernel is launched (programmatically) only once every block of the kernel
+// before it has passed its own wait, so the kernels before that one (routing, the sort, the
+// residual add) have completed and their writes reached L2; only y, the kernel just before's
+// output, is read after the wait. Same sums in the same order: the same bits.
+constexpr int max_mix_early_top_k = 32;
+
 template <class Y>
 __global__ void mix_kernel(const Y* __restrict__ y, const i64* __restrict__ inverse,
                            const float* __restrict__ weights, float* __restrict__ x, int top_k,
                            int h, const bf16* __restrict__ norm_w, bf16* __restrict__ norm_out,
-                           float eps) {
-  pdl_enter();
+                           float eps, bool early) {
   __shared__ float shared[32];
   const int t = blockIdx.x;
   const i64* inv = inverse + static_cast<i64>(t) * top_k;
   const float* wt = weights + static_cast<i64>(t) * top_k;
   float* row = x + static_cast<i64>(t) * h;
+  if (early) {
+    __shared__ i64 early_inv[max_mix_early_top_k];
+    __shared__ float early_wt[max_mix_early_top_k];
+    const int c = threadIdx.x * 8;
+    if (threadIdx.x < top_k) {
+      early_inv[threadIdx.x] = __ldcg(reinterpret_cast<const long long*>(inv) + threadIdx.x);
+      early_wt[threadIdx.x] = __ldcg(wt + threadIdx.x);
+    }
+    float4* xp = reinterpret_cast<float4*>(row + c);
+    float4 a = __ldcg(xp), b = __ldcg(xp + 1);
+    float nw[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    if (norm_w != nullptr)
+      load8(norm_w + c, nw);
+    pdl_enter();
+    __syncthreads();
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll 8
+    for (int j = 0; j < top_k; ++j) {
+      float v[8];
+      load8(y + early_inv[j] * h + c, v);
+      const float wj = early_wt[j];
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        acc[i] += wj * v[i];
+    }
+    a.x += acc[0], a.y += acc[1], a.z += acc[2], a.w += acc[3];
+    b.x += acc[4], b.y += acc[5], b.z += acc[6], b.w += acc[7];
+    xp[0] = a;
+    xp[1] = b;
+    if (norm_w == nullptr)
+      return;
+    // norm_row's sums and products, from registers (two halves of 4 as norm_row's columns).
+    float ss = a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w + b.x * b.x + b.y * b.y
+               + b.z * b.z + b.w * b.w;
+    ss = block_sum(ss, shared);
+    const float r = rsqrtf(ss / static_cast<float>(h) + eps);
+    const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    __align__(16) bf16 ob[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      ob[i] = to_bf(v[i] * r * nw[i]);
+    *reinterpret_cast<uint4*>(norm_out + static_cast<i64>(t) * h + c) =
+      *reinterpret_cast<const uint4*>(ob);
+    return;
+  }
+  pdl_enter();
   float ss = 0.0f;
   if ((h & 7) == 0) {
     for (int c = threadIdx.x * 8; c < h; c += blockDim.x * 8) {
@@ -415,15 +470,18 @@ void silu_mul(const void* gate_up, void* act, std::int64_t m, int inter, void* s
 
 void mix_experts(const void* y, const std::int64_t* inverse, const float* weights, float* x,
                  int n, int top_k, int h, const void* norm_w, void* norm_out, float eps,
-                 void* stream, bool y_f32) {
+                 void* stream, bool y_f32, bool early) {
+  // Early: a thread per 8 columns (h a multiple of 256 up to 8192: whole warps).
+  early = early && h % 256 == 0 && h / 8 <= 1024 && top_k <= max_mix_early_top_k;
+  const int threads = early ? h / 8 : 256;
   if (y_f32)
-    launch("mix_experts", mix_kernel<float>, dim3(n), dim3(256), as_stream(stream),
+    launch("mix_experts", mix_kernel<float>, dim3(n), dim3(threads), as_stream(stream),
            static_cast<const float*>(y), inverse, weights, x, top_k, h,
-           static_cast<const bf16*>(norm_w), static_cast<bf16*>(norm_out), eps);
+           static_cast<const bf16*>(norm_w), static_cast<bf16*>(norm_out), eps, early);
   else
-    launch("mix_experts", mix_kernel<bf16>, dim3(n), dim3(256), as_stream(stream),
+    launch("mix_experts", mix_kernel<bf16>, dim3(n), dim3(threads), as_stream(stream),
            static_cast<const bf16*>(y), inverse, weights, x, top_k, h,
-           static_cast<const bf16*>(norm_w), static_cast<bf16*>(norm_out), eps);
+           static_cast<const bf16*>(norm_w), static_cast<bf16*>(norm_out), eps, early);
 }
 
 } // namespace refit::inference::kernels
