@@ -1,8 +1,7 @@
 // The bf16 engine's residual kernels on a GPU (label gpu), alone: the experts' weighted mix
 // into the fp32 residual with the next layer's RMSNorm (mix_experts), its early variant (the
 // routing, the residual row and the norm weights read before the programmatic wait) bit for
-// bit against the plain one, both against a host fp64 reference; and the residual add + norm
-// (add_rms_norm) over a split-K GEMM's fp32 partial sums against the same reference.
+// bit against the plain one, both against a host fp64 reference.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -12,7 +11,6 @@
 #include <cstdint>
 #include <numeric>
 #include <random>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -122,55 +120,6 @@ TEST(GpuResidualKernels, EarlyMixEqualsThePlainMixBitwiseAndTheHostReference) {
       EXPECT_LT(worst_norm, 1.0 / 128) << "the normed row (one bf16 rounding)";
       EXPECT_GT(worst_norm, 0.0) << "bf16 rounds somewhere";
     }
-  }
-}
-
-TEST(GpuResidualKernels, AddRmsNormAddsEverySplitKPartInOrder) {
-  REQUIRE_GPUS(1);
-  const int rows = 6, n = 2048;
-  const float eps = 1e-6f;
-  const auto x0 = random_f32(static_cast<std::size_t>(rows) * n, 21, 2.0f);
-  const auto w = random_bf16(static_cast<std::size_t>(n), 22, 1.5f);
-  device_vec<std::uint16_t> d_w(w);
-  for (const int parts : {1, 2, 4, 8}) {
-    SCOPED_TRACE(std::to_string(parts) + " parts");
-    const auto y = random_f32(static_cast<std::size_t>(parts) * rows * n, 23, 0.5f);
-    device_vec<float> d_x(x0), d_y(y);
-    device_vec<std::uint16_t> d_out(static_cast<std::size_t>(rows) * n);
-    kernels::add_rms_norm(d_x.p, d_y.p, d_w.p, d_out.p, rows, n, eps, nullptr, nullptr, true,
-                          parts);
-    CUDA_OK(cudaDeviceSynchronize());
-    const auto x = d_x.host();
-    const auto out = d_out.host();
-    double worst_x = 0, worst_norm = 0;
-    for (int r = 0; r < rows; ++r) {
-      std::vector<double> row(static_cast<std::size_t>(n));
-      for (int c = 0; c < n; ++c) {
-        const std::size_t at = static_cast<std::size_t>(r) * n + c;
-        double v = x0[at];
-        for (int p = 0; p < parts; ++p)
-          v += y[static_cast<std::size_t>(p) * rows * n + at];
-        row[c] = v;
-        worst_x = std::max(worst_x, std::abs(double(x[at]) - v) / (1.0 + std::abs(v)));
-      }
-      const auto want = host_norm(row, w, eps);
-      for (int c = 0; c < n; ++c)
-        worst_norm = std::max(worst_norm, std::abs(from_bf16(out[static_cast<std::size_t>(r) * n + c])
-                                                   - want[c])
-                                            / (1.0 + std::abs(want[c])));
-    }
-    EXPECT_LT(worst_x, 1e-5) << "the parts and the residual";
-    EXPECT_LT(worst_norm, 1.0 / 128);
-  }
-  // More than one part of bf16 y is refused by name (the split-K parts are fp32).
-  device_vec<float> d_x(x0);
-  device_vec<std::uint16_t> d_y(static_cast<std::size_t>(rows) * n),
-    d_out(static_cast<std::size_t>(rows) * n);
-  try {
-    kernels::add_rms_norm(d_x.p, d_y.p, d_w.p, d_out.p, rows, n, eps, nullptr, nullptr, false, 2);
-    ADD_FAILURE() << "two bf16 parts must be refused";
-  } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("parts"), std::string::npos) << e.what();
   }
 }
 

@@ -432,7 +432,8 @@ json generate_bench::run() {
         "REFIT_ROUTER_SPLIT", "REFIT_LOGITS_FP32", "REFIT_RESIDUAL_FP32", "REFIT_ATTENTION_MMA",
         "REFIT_ATTENTION_SPLITS", "REFIT_ATTENTION_WARPS", "REFIT_EXPERT_MMA_STAGES",
         "REFIT_EXPERT_MMA_EARLY", "REFIT_EXPERT_MMA_PERSISTENT", "REFIT_EXPERT_SELF_SORT",
-        "REFIT_ROUTE_BUCKET_MAX_TOKENS", "REFIT_ROUTER_MMA_MAX_ROWS", "REFIT_ATTENTION_FUSED_QK"})
+        "REFIT_ROUTE_BUCKET_MAX_TOKENS", "REFIT_ROUTER_MMA_MAX_ROWS", "REFIT_ATTENTION_FUSED_QK",
+        "REFIT_MIX_EARLY"})
     if (const char* v = std::getenv(knob); v != nullptr)
       out["engine_env"][knob] = v;
   out["compute_dtype"] = cfg_.runtime.compute_dtype;

@@ -115,7 +115,6 @@ fast_rank_forward::fast_rank_forward(const rank_forward_options& o)
   router_split_ = choice_knob("REFIT_ROUTER_SPLIT", {"0", "1"}, router_split_);
   logits_fp32_ = choice_knob("REFIT_LOGITS_FP32", {"0", "1"}, logits_fp32_);
   residual_fp32_ = choice_knob("REFIT_RESIDUAL_FP32", {"0", "1"}, residual_fp32_);
-  oproj_parts_ = choice_knob("REFIT_OPROJ_PARTS", {"0", "2", "4", "8", "16"}, oproj_parts_);
   mix_early_ = choice_knob("REFIT_MIX_EARLY", {"0", "1"}, mix_early_);
   attention_mma_ = choice_knob("REFIT_ATTENTION_MMA", {"0", "1", "2"}, attention_mma_);
   attention_fused_qk_ = choice_knob("REFIT_ATTENTION_FUSED_QK", {"0", "1"}, attention_fused_qk_);

@@ -318,10 +318,6 @@ private:
   // add_rms_norm and mix, TP 1, REFIT_RESIDUAL_FP32): no bf16 rounding of either.
   bool fp32_residual_inputs() const { return fused_ && o_.tp == 1 && residual_fp32_ != 0; }
 
-  // x [m, k] . w [n, k]^T as `parts` fp32 partial sums [parts, m, n] (one batched GEMM over
-  // k's slices); undefined where it does not apply (then linear_f32).
-  at::Tensor linear_f32_parts(const at::Tensor& x, const at::Tensor& w, std::int64_t parts) const;
-
   // Decode attention of one layer through the fused kernels: q/k norm + RoPE + the K/V
   // writes, then attention over the paged cache.
   at::Tensor fused_decode_layer_attention(const at::Tensor& qkv, const layer_tensors& w,
@@ -454,12 +450,10 @@ private:
   // o_proj and the routed experts' down projection leave their fp32 accumulators into the fp32
   // residual stream instead of bf16 (fused kernels, TP 1; REFIT_RESIDUAL_FP32=0|1).
   std::int64_t residual_fp32_ = 1;
-  // o_proj with fp32 residual inputs as that many partial sums over k's slices, one batched
-  // GEMM, added by the residual add (REFIT_OPROJ_PARTS=0|2|4|8|16; 0: cuBLAS's own split-K).
-  std::int64_t oproj_parts_ = 0;
   // The mix kernel reads the routing (expert rows, weights), the residual row and the norm
-  // weights before it waits on the down projection (REFIT_MIX_EARLY=0|1).
-  std::int64_t mix_early_ = 0;
+  // weights before it waits on the down projection (REFIT_MIX_EARLY=0|1; the same bits). H200,
+  // batch 64, one lease, two rounds: 17.602 / 17.599 ms a step against 17.652 / 17.653.
+  std::int64_t mix_early_ = 1;
   // Decode attention's kernel (REFIT_ATTENTION_MMA, kernels::decode_attention's mode): 0 CUDA
   // cores, 1 tensor cores with the heads as rows, 2 tensor cores with O transposed (groups up to
   // 8; group 16 takes CUDA cores). Mode 2 with its own q/k (REFIT_ATTENTION_FUSED_QK=0|1: the

@@ -86,14 +86,7 @@ at::Tensor fast_rank_forward::model(const step_inputs& in, std::byte* kv_base, c
       vc.index_put_({in.write_block, in.write_slot}, v_src);
       attn = decode ? decode_attention(q, kc, vc, in) : prefill_attention(q, k, v, kc, vc, *items);
     }
-    at::Tensor out; // fp32 [n, H], or [parts, n, H] partial sums, or bf16 [n, H]
-    if (fp32_residual_inputs()) {
-      out = linear_f32_parts(attn, w.o, oproj_parts_);
-      if (!out.defined())
-        out = linear_f32(attn, w.o);
-    } else {
-      out = linear(attn, w.o);
-    }
+    const at::Tensor out = fp32_residual_inputs() ? linear_f32(attn, w.o) : linear(attn, w.o);
     at::Tensor router_in;
     h = add_norm_bf16(x, out, w.post_norm, &router_in);
     const bool last = layer + 1 == cfg_.num_hidden_layers;
@@ -454,14 +447,13 @@ at::Tensor fast_rank_forward::add_norm_bf16(at::Tensor& x, const at::Tensor& out
                           static_cast<int>(n), static_cast<int>(x.size(1)),
                           static_cast<float>(cfg_.rms_norm_eps), stream(),
                           two ? parts.narrow(0, n, n).data_ptr() : nullptr,
-                          out.scalar_type() == at::kFloat,
-                          out.dim() == 3 ? static_cast<int>(out.size(0)) : 1);
+                          out.scalar_type() == at::kFloat);
     if (two)
       *split = parts;
     return normed;
   }
 #endif
-  add_residual(x, out.dim() == 3 ? out.sum(0) : out);
+  add_residual(x, out);
   if (split != nullptr && router_split_ != 0) { // the router takes the fp32 norm itself
     *split = rms_norm(x, w);
     return split->to(at::kBFloat16);

@@ -75,24 +75,4 @@ at::Tensor fast_rank_forward::linear_f32(const at::Tensor& x, const at::Tensor& 
   return at::matmul(x.to(at::kFloat), w.to(at::kFloat).t());
 }
 
-// x [m, k] . w [n, k]^T as `parts` fp32 partial sums [parts, m, n] over equal slices of k: one
-// batched GEMM (at::bmm to fp32) instead of cuBLAS's split-K and its reduce kernel, the parts
-// added by the residual add (add_rms_norm). Undefined where k does not split into 16-byte
-// aligned slices or bmm's out_dtype is missing.
-at::Tensor fast_rank_forward::linear_f32_parts(const at::Tensor& x, const at::Tensor& w,
-                                               std::int64_t parts) const {
-#if defined(REFIT_HAVE_MM_DTYPE)
-  if (parts > 1 && x.is_cuda() && x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1)
-      && x.size(1) % parts == 0 && (x.size(1) / parts) % 8 == 0 && streamable(x)
-      && streamable(w)) {
-    const std::int64_t kp = x.size(1) / parts;
-    const at::Tensor a = x.view({x.size(0), parts, kp}).transpose(0, 1);    // [parts, m, kp]
-    const at::Tensor b = w.view({w.size(0), parts, kp}).permute({1, 2, 0}); // [parts, kp, n]
-    return at::bmm(a, b, at::kFloat);
-  }
-#endif
-  (void)x, (void)w, (void)parts;
-  return {};
-}
-
 } // namespace refit::inference::bf16

@@ -33,14 +33,11 @@ __global__ void rms_norm_kernel(const float* __restrict__ x, const bf16* __restr
   norm_row(row, w, out + static_cast<i64>(blockIdx.x) * n, n, eps, ss, shared);
 }
 
-// x[r] += y[r] (bf16), then out[r] = RMSNorm(x[r]): the residual add and the next norm. fp32
-// y may come in `parts` slices `part_stride` apart (a split-K GEMM's partial sums), added in
-// order before the residual add.
+// x[r] += y[r] (bf16), then out[r] = RMSNorm(x[r]): the residual add and the next norm.
 template <class Y>
 __global__ void add_rms_norm_kernel(float* __restrict__ x, const Y* __restrict__ y,
                                     const bf16* __restrict__ w, bf16* __restrict__ out, int n,
-                                    float eps, bf16* __restrict__ lo, int parts,
-                                    i64 part_stride) {
+                                    float eps, bf16* __restrict__ lo) {
   pdl_enter();
   __shared__ float shared[32];
   float* row = x + static_cast<i64>(blockIdx.x) * n;
@@ -51,11 +48,7 @@ __global__ void add_rms_norm_kernel(float* __restrict__ x, const Y* __restrict__
       float4 v = *reinterpret_cast<const float4*>(row + c);
       float yv[4];
       if constexpr (sizeof(Y) == 4) {
-        float4 f = *reinterpret_cast<const float4*>(yr + c);
-        for (int p = 1; p < parts; ++p) {
-          const float4 g = *reinterpret_cast<const float4*>(yr + p * part_stride + c);
-          f.x += g.x, f.y += g.y, f.z += g.z, f.w += g.w;
-        }
+        const float4 f = *reinterpret_cast<const float4*>(yr + c);
         yv[0] = f.x, yv[1] = f.y, yv[2] = f.z, yv[3] = f.w;
       } else {
         const uint2 u = *reinterpret_cast<const uint2*>(yr + c);
@@ -72,10 +65,7 @@ __global__ void add_rms_norm_kernel(float* __restrict__ x, const Y* __restrict__
     }
   } else {
     for (int c = threadIdx.x; c < n; c += blockDim.x) {
-      float yc = to_f(yr[c]);
-      for (int p = 1; p < parts; ++p)
-        yc += to_f(yr[p * part_stride + c]);
-      const float v = row[c] + yc;
+      const float v = row[c] + to_f(yr[c]);
       row[c] = v;
       ss += v * v;
     }
@@ -165,19 +155,15 @@ void rms_norm(const float* x, const void* w, void* out, int rows, int n, float e
 }
 
 void add_rms_norm(float* x, const void* y, const void* w, void* out, int rows, int n, float eps,
-                  void* stream, void* lo, bool y_f32, int y_parts) {
-  if (y_parts < 1 || (y_parts > 1 && !y_f32))
-    throw std::invalid_argument("add_rms_norm: " + std::to_string(y_parts)
-                                + " parts of y (at least 1; more than 1 only for fp32 y)");
-  const i64 part_stride = static_cast<i64>(rows) * n;
+                  void* stream, void* lo, bool y_f32) {
   if (y_f32)
     launch("add_rms_norm", add_rms_norm_kernel<float>, dim3(rows), dim3(256), as_stream(stream),
            x, static_cast<const float*>(y), static_cast<const bf16*>(w), static_cast<bf16*>(out),
-           n, eps, static_cast<bf16*>(lo), y_parts, part_stride);
+           n, eps, static_cast<bf16*>(lo));
   else
     launch("add_rms_norm", add_rms_norm_kernel<bf16>, dim3(rows), dim3(256), as_stream(stream),
            x, static_cast<const bf16*>(y), static_cast<const bf16*>(w), static_cast<bf16*>(out),
-           n, eps, static_cast<bf16*>(lo), 1, part_stride);
+           n, eps, static_cast<bf16*>(lo));
 }
 
 void qk_norm_rope_write(const void* qkv, const void* q_norm, const void* k_norm,

@@ -15,11 +15,9 @@ namespace refit::inference::kernels {
 void rms_norm(const float* x, const void* w, void* out, int rows, int n, float eps, void* stream);
 // x[r] += y[r] (bf16, fp32 with y_f32), then out[r] = RMSNorm(x[r]) as rms_norm (the residual
 // add and the next norm); with lo (bf16 [rows, n], may be null) also lo[r] = bf16(normed -
-// out[r]), its rounding error. fp32 y may hold y_parts slices [rows, n] one after another (a
-// split-K GEMM's partial sums), added in order into x[r]; more than one with bf16 y throws
-// std::invalid_argument.
+// out[r]), its rounding error.
 void add_rms_norm(float* x, const void* y, const void* w, void* out, int rows, int n, float eps,
-                  void* stream, void* lo = nullptr, bool y_f32 = false, int y_parts = 1);
+                  void* stream, void* lo = nullptr, bool y_f32 = false);
 
 struct kv_target {
   void* base = nullptr;            // the arena
