@@ -129,9 +129,6 @@ fast_rank_forward::fast_rank_forward(const rank_forward_options& o)
 #if defined(REFIT_TORCH_CUDA)
   if (device_.is_cuda())
     kernels::set_programmatic_launch(programmatic);
-  const std::int64_t carveout = choice_knob("REFIT_SMEM_CARVEOUT", {"-1", "0", "50", "100"}, -1);
-  if (device_.is_cuda())
-    kernels::set_shared_carveout(static_cast<int>(carveout));
 #endif
 }
 

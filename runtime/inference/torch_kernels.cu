@@ -193,8 +193,6 @@ void dense_gemv(const void* x, const void* w, void* y, int m, int n, int k, void
 
 void set_programmatic_launch(bool on) { programmatic_launch.store(on); }
 
-void set_shared_carveout(int percent) { shared_carveout.store(percent); }
-
 void add_bf16(float* x, const void* y, std::int64_t elements, void* stream) {
   launch("add_bf16", add_kernel, dim3(grid_for(elements, 256)), dim3(256), as_stream(stream), x,
          static_cast<const bf16*>(y), elements);

@@ -45,9 +45,6 @@ void dense_gemv(const void* x, const void* w, void* y, int m, int n, int k, void
 // Programmatic dependent launch of every kernel here (on by default; the engine sets it from
 // REFIT_PDL). Process-wide: it takes effect for launches (and graph captures) after the call.
 void set_programmatic_launch(bool on);
-// The shared-memory carveout (percent, 0..100) every kernel here prefers from then on; -1: the
-// driver's choice (the default).
-void set_shared_carveout(int percent);
 
 // Decode attention over the paged cache: q bf16 [b, hq, d]; table int64 [b, width]; lengths
 // int64 [b]; out bf16 [b, hq * d]. Supports d in {64, 128} and hq / hkv in {1, 2, 4, 8, 16}.

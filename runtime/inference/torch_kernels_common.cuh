@@ -197,10 +197,6 @@ __device__ __forceinline__ void pdl_enter() {
 // Whether launch() sets the attribute (set_programmatic_launch, from REFIT_PDL).
 inline std::atomic<bool> programmatic_launch{true};
 
-// The shared-memory carveout every kernel prefers (percent of the unified L1 / shared memory;
-// -1: no preference, the driver's choice; set_shared_carveout, from REFIT_SMEM_CARVEOUT).
-inline std::atomic<int> shared_carveout{-1};
-
 // launch_smem: with `smem` bytes of dynamic shared memory (past 48 KiB the kernel's opt-in
 // attribute is set first: a host-side call, allowed while a graph is captured).
 template <class... Params, class... Args>
@@ -213,13 +209,6 @@ void launch_smem(const char* what, void (*kernel)(Params...), dim3 grid, dim3 bl
       throw std::runtime_error(std::string("bf16 engine kernel ") + what + ": "
                                + std::to_string(smem) + " bytes of shared memory: "
                                + cudaGetErrorString(e));
-  }
-  if (const int carveout = shared_carveout.load(std::memory_order_relaxed); carveout >= 0) {
-    const cudaError_t e =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, carveout);
-    if (e != cudaSuccess)
-      throw std::runtime_error(std::string("bf16 engine kernel ") + what + ": carveout "
-                               + std::to_string(carveout) + "%: " + cudaGetErrorString(e));
   }
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
