@@ -311,6 +311,26 @@ __global__ void silu_mul_kernel(const bf16* __restrict__ gate_up, bf16* __restri
 // output, is read after the wait. Same sums in the same order: the same bits.
 constexpr int max_mix_early_top_k = 32;
 
+// Columns c .. c + 7 of one token: (a, b) += sum_j weights[j] * y[rows[j]] (j in order, the
+// sum first, then added: the same bits on both of mix_kernel's paths).
+template <class Y>
+__device__ __forceinline__ void mix_into(const Y* __restrict__ y, const i64* rows,
+                                         const float* weights, int top_k, int h, int c,
+                                         float4& a, float4& b) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll 8
+  for (int j = 0; j < top_k; ++j) {
+    float v[8];
+    load8(y + rows[j] * h + c, v);
+    const float wj = weights[j];
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      acc[i] += wj * v[i];
+  }
+  a.x += acc[0], a.y += acc[1], a.z += acc[2], a.w += acc[3];
+  b.x += acc[4], b.y += acc[5], b.z += acc[6], b.w += acc[7];
+}
+
 template <class Y>
 __global__ void mix_kernel(const Y* __restrict__ y, const i64* __restrict__ inverse,
                            const float* __restrict__ weights, float* __restrict__ x, int top_k,
@@ -336,18 +356,7 @@ __global__ void mix_kernel(const Y* __restrict__ y, const i64* __restrict__ inve
       load8(norm_w + c, nw);
     pdl_enter();
     __syncthreads();
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-#pragma unroll 8
-    for (int j = 0; j < top_k; ++j) {
-      float v[8];
-      load8(y + early_inv[j] * h + c, v);
-      const float wj = early_wt[j];
-#pragma unroll
-      for (int i = 0; i < 8; ++i)
-        acc[i] += wj * v[i];
-    }
-    a.x += acc[0], a.y += acc[1], a.z += acc[2], a.w += acc[3];
-    b.x += acc[4], b.y += acc[5], b.z += acc[6], b.w += acc[7];
+    mix_into(y, early_inv, early_wt, top_k, h, c, a, b);
     xp[0] = a;
     xp[1] = b;
     if (norm_w == nullptr)
@@ -370,20 +379,9 @@ __global__ void mix_kernel(const Y* __restrict__ y, const i64* __restrict__ inve
   float ss = 0.0f;
   if ((h & 7) == 0) {
     for (int c = threadIdx.x * 8; c < h; c += blockDim.x * 8) {
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-#pragma unroll 8
-      for (int j = 0; j < top_k; ++j) {
-        float v[8];
-        load8(y + inv[j] * h + c, v);
-        const float wj = wt[j];
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-          acc[i] += wj * v[i];
-      }
       float4* xp = reinterpret_cast<float4*>(row + c);
       float4 a = xp[0], b = xp[1];
-      a.x += acc[0], a.y += acc[1], a.z += acc[2], a.w += acc[3];
-      b.x += acc[4], b.y += acc[5], b.z += acc[6], b.w += acc[7];
+      mix_into(y, inv, wt, top_k, h, c, a, b);
       xp[0] = a;
       xp[1] = b;
       ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w + b.x * b.x + b.y * b.y + b.z * b.z
