@@ -150,6 +150,13 @@ TEST(GpuAttentionKernels, UnsupportedShapesAndSplitsAreRefused) {
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("fused q/k of mode 1"), std::string::npos) << e.what();
   }
+  try { // no KV heads: a group of 0, refused by name rather than divided by
+    kernels::decode_attention(nullptr, kv, nullptr, 1, nullptr, nullptr, nullptr, 1, 1, 8, 0,
+                              128, nullptr, 2);
+    ADD_FAILURE() << "0 KV heads accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("unsupported group 0"), std::string::npos) << e.what();
+  }
   struct refused_warps {
     int mode, hq, warps;
     const char* message;

@@ -387,24 +387,22 @@ void decode_attention(const void* q, kv_target kv, const std::int64_t* table, in
   if (mode < 0 || mode > 2)
     throw std::invalid_argument("decode_attention: mode " + std::to_string(mode)
                                 + " (0 CUDA cores, 1 tensor cores, 2 transposed tensor cores)");
-  if (qk != nullptr && (mode != 2 || hq / hkv > 8))
+  const int group = hkv > 0 ? hq / hkv : 0; // 0: refused by dispatch_group
+  if (qk != nullptr && (mode != 2 || group > 8))
     throw std::invalid_argument("decode_attention: the fused q/k of mode " + std::to_string(mode)
-                                + ", group " + std::to_string(hq / hkv)
+                                + ", group " + std::to_string(group)
                                 + " (mode 2, groups up to 8 only)");
   if (splits < 1 || splits > max_attention_splits || (splits > 1 && partial == nullptr))
     throw std::invalid_argument("decode_attention: " + std::to_string(splits)
                                 + " splits (1.." + std::to_string(max_attention_splits)
                                 + ", a partial buffer when > 1)");
-  const int group_or_0 = hkv > 0 ? hq / hkv : 0;
-  if ((warps != 4 && warps != 6 && warps != 8)
-      || (warps != 4 && !warps_choosable(mode, group_or_0)))
+  if ((warps != 4 && warps != 6 && warps != 8) || (warps != 4 && !warps_choosable(mode, group)))
     throw std::invalid_argument("decode_attention: " + std::to_string(warps)
                                 + " warps a block in mode " + std::to_string(mode) + ", group "
-                                + std::to_string(group_or_0)
+                                + std::to_string(group)
                                 + " (4; 6 or 8 in mode 2 up to group 8 only)");
   const attention_call a{q, kv, table, width, lengths, out, partial, splits, b, hq, hkv, mode, qk,
                          warps};
-  const int group = hq / hkv;
   if (d == 64)
     dispatch_group<64>(group, a, as_stream(stream));
   else if (d == 128)
