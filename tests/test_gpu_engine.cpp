@@ -58,7 +58,7 @@ using env_vars = std::vector<std::pair<std::string, std::string>>;
 // boundaries, the fused engine built under `knobs` (the ATen rig ignores them). By default
 // qkv / o_proj / the router of the prefill and of the decode rows take the dense tensor-core
 // kernel, and the routed copies (44, then 4) the expert one.
-void expect_fused_matches_aten(const env_vars& knobs) {
+void expect_fused_matches_aten(const env_vars& knobs, inf::forward_counters* counters = nullptr) {
   const auto cfg = refit::testing::small_model();
   const auto w = engine_synthetic(cfg);
   const auto tokens = engine_prompt(41, 2, 512);
@@ -92,6 +92,8 @@ void expect_fused_matches_aten(const env_vars& knobs) {
   const double fused_loads = double(fused.forward->counters().decode_expert_loads);
   const double aten_loads = double(aten.forward->counters().decode_expert_loads);
   EXPECT_NEAR(fused_loads / aten_loads, 1.0, 0.05) << "both paths count the routed experts";
+  if (counters != nullptr)
+    *counters = fused.forward->counters();
 }
 
 TEST(GpuEngine, FusedKernelsComputeWhatTheAtenPathComputes) {
@@ -146,6 +148,22 @@ TEST(GpuEngine, TransposedAttentionAfterTheQkKernelAndModeOneComputeWhatTheAtenP
 // The early mix (the default; hidden 256: a thread per 8 columns) reads the routing before its
 // wait and sums in the same order: the same logits as the plain mix, bit for bit, over the
 // prefill and every decode step.
+// qkv, o_proj and the router's two parts of the prefill rows and the decode rows on the
+// preloading GEMM (kernels::preload_gemm; the small model's hidden size 256 takes its small
+// shapes), instead of dense_mma and cuBLAS.
+const env_vars preload_knobs = {{"REFIT_PRELOAD_GEMM", "2"},
+                                {"REFIT_DENSE_MMA_MAX_ROWS", "0"},
+                                {"REFIT_ROUTER_MMA_MAX_ROWS", "0"}};
+
+TEST(GpuEngine, ThePreloadingGemmComputesWhatTheAtenPathComputes) {
+  REQUIRE_GPU();
+  inf::forward_counters c;
+  expect_fused_matches_aten(preload_knobs, &c);
+  // At least the prefill's three projections in both layers (the count is of launches and
+  // captures: a replayed decode step launches without counting).
+  EXPECT_GE(c.preload_gemms, 3u * 2u);
+}
+
 TEST(GpuEngine, TheEarlyMixGivesTheSameLogitsBitwise) {
   REQUIRE_GPU();
   const auto cfg = refit::testing::small_model();
@@ -237,8 +255,9 @@ struct decode_fixture {
 // Graphed against eager decode steps of five sequences, greedy and sampled, and graph replays
 // against each other; `experts_on_mma`: every step's experts on the tensor-core kernel (the
 // default), else the expert and dense GEMVs and the grouped GEMM.
-void expect_graph_replay_equals_eager(bool experts_on_mma, const env_vars& more = {}) {
-  const auto cfg = refit::testing::tiny_model();
+void expect_graph_replay_equals_eager(bool experts_on_mma, const env_vars& more = {},
+                                      const model::model_config& cfg = refit::testing::tiny_model(),
+                                      inf::forward_counters* counters = nullptr) {
   const auto w = engine_synthetic(cfg);
   gpu_memory mem;
   env_vars knobs = experts_on_mma ? env_vars{{"REFIT_EXPERT_GEMV_MAX_COPIES", "0"},
@@ -279,6 +298,8 @@ void expect_graph_replay_equals_eager(bool experts_on_mma, const env_vars& more 
   EXPECT_EQ(c.graph_replays, 80u); // 2 temperatures x 2 runs x 20 steps
   EXPECT_GE(c.graph_captures, 1u);
   EXPECT_EQ(eager.forward->counters().graph_replays, 0u);
+  if (counters != nullptr)
+    *counters = c;
 }
 
 // The device sampler of the fused engine (one kernel per step without top-k / top-p, the
@@ -313,6 +334,15 @@ TEST(GpuEngine, CudaGraphReplayOfPersistentExpertsEqualsEagerAndIsDeterministic)
   expect_graph_replay_equals_eager(true, {{"REFIT_EXPERT_MMA_PERSISTENT", "1"},
                                           {"REFIT_EXPERT_MMA_KSPLIT", "1"},
                                           {"REFIT_ROUTE_BUCKET_MAX_TOKENS", "256"}});
+}
+
+// The same with qkv, o_proj and the router on the preloading GEMM (the small model: its
+// hidden size 256 fits the GEMM's small shapes), captured in the step's graph.
+TEST(GpuEngine, CudaGraphReplayOfThePreloadingGemmEqualsEagerAndIsDeterministic) {
+  REQUIRE_GPU();
+  inf::forward_counters c;
+  expect_graph_replay_equals_eager(true, preload_knobs, refit::testing::small_model(), &c);
+  EXPECT_GT(c.preload_gemms, 0u);
 }
 
 // A GPU engine over the tiny model's residents (the bf16 engine, CUDA graphs on).

@@ -125,10 +125,13 @@ fast_rank_forward::fast_rank_forward(const rank_forward_options& o)
   dense_mma_max_rows_ = count_knob("REFIT_DENSE_MMA_MAX_ROWS", dense_mma_max_rows_, "rows", 64);
   router_mma_max_rows_ =
     count_knob("REFIT_ROUTER_MMA_MAX_ROWS", router_mma_max_rows_, "rows", 128); // dense_mma_max_rows
+  preload_gemm_ = choice_knob("REFIT_PRELOAD_GEMM", {"0", "1", "2"}, preload_gemm_);
   [[maybe_unused]] const bool programmatic = choice_knob("REFIT_PDL", {"0", "1"}, 1) == 1;
 #if defined(REFIT_TORCH_CUDA)
   if (device_.is_cuda())
     kernels::set_programmatic_launch(programmatic);
+  if (fused_ && preload_gemm_ > 0) // its occupancy queries now, not while a graph is captured
+    kernels::preload_gemm_prepare();
 #endif
 }
 
@@ -145,6 +148,7 @@ std::vector<float> fast_rank_forward::forward(const std::vector<forward_item>& i
 forward_counters fast_rank_forward::counters() const {
   forward_counters c = counters_;
   c.counts_experts = true;
+  c.preload_gemms = preload_gemms_;
   scope s(*this);
   const at::Tensor loads = expert_loads_.cpu();
   c.expert_loads = static_cast<std::uint64_t>(loads[0].item<std::int64_t>());

@@ -225,6 +225,11 @@ private:
   // does not fit, no CUDA).
   at::Tensor dense_mma(const at::Tensor& x, const at::Tensor& w, bool f32,
                        std::int64_t max_rows = -1) const;
+  // kernels::preload_gemm for (x (+ lo)) [m, k] . w [n, k]^T, bf16 or fp32 out, where it is on
+  // (REFIT_PRELOAD_GEMM), m is past dense_mma's rows and a plan fits the device in one wave;
+  // undefined otherwise. lo: the router's low part (REFIT_PRELOAD_GEMM=2).
+  at::Tensor preload_linear(const at::Tensor& x, const at::Tensor& w, bool f32,
+                            const at::Tensor* lo = nullptr) const;
 #if defined(REFIT_TORCH_CUDA)
   // expert_mma_args with the knobs' staging set (chunks, L2 policy, stages, early start): what
   // the expert projections and the dense mode share.
@@ -389,6 +394,7 @@ private:
   std::int64_t rope_positions_ = 0;
   at::Tensor expert_loads_;
   forward_counters counters_;
+  mutable std::uint64_t preload_gemms_ = 0; // counters().preload_gemms (counted in const paths)
   bool graphs_enabled_ = false;
   bool device_comm_ = false;            // tp > 1 on a GPU with a device comm (NCCL)
   bool fused_ = false;                  // the fused CUDA kernels (torch_kernels.cu)
@@ -437,6 +443,11 @@ private:
   // beats cuBLAS (12.72 vs 12.95 ms a step); at 64 (128 rows, two passes) it loses (19.38 vs
   // 18.85).
   std::int64_t router_mma_max_rows_ = 32;
+  // qkv and o_proj (1), and the router's two parts (2), past dense_mma's rows on
+  // kernels::preload_gemm, whose blocks copy their whole slice of the weights into shared
+  // memory before the programmatic wait, instead of cuBLAS (REFIT_PRELOAD_GEMM=0|1|2). Off until
+  // it is measured on a GPU: it was written in a session without one.
+  std::int64_t preload_gemm_ = 0;
   // Draws without top-k / top-p by the fused sampler (kernels::sample_plain) instead of the
   // ATen chain (REFIT_FUSED_SAMPLING=0|1).
   std::int64_t fused_sampling_ = 1;

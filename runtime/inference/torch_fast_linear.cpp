@@ -1,5 +1,6 @@
 // The bf16 engine's dense projections (torch_fast_forward.hpp): x [m, k] . w [n, k]^T by the
-// dense GEMV, the tensor-core kernel's dense mode or cuBLAS, with a bf16 or an fp32 output.
+// dense GEMV, the tensor-core kernel's dense mode, the preloading GEMM or cuBLAS, with a bf16 or
+// an fp32 output.
 #include "runtime/inference/torch_fast_forward.hpp"
 
 namespace refit::inference::bf16 {
@@ -46,6 +47,38 @@ at::Tensor fast_rank_forward::dense_mma(const at::Tensor& x, const at::Tensor& w
   return {};
 }
 
+at::Tensor fast_rank_forward::preload_linear(const at::Tensor& x, const at::Tensor& w, bool f32,
+                                             const at::Tensor* lo) const {
+#if defined(REFIT_TORCH_CUDA)
+  const bool two_parts = lo != nullptr;
+  if (fused_ && preload_gemm_ >= (two_parts ? 2 : 1) && x.dim() == 2 && w.dim() == 2
+      && x.size(1) == w.size(1) && x.size(0) > dense_mma_max_rows_ && streamable(x)
+      && streamable(w)
+      && (!two_parts || (lo->sizes() == x.sizes() && streamable(*lo)))) {
+    const auto m = static_cast<int>(x.size(0));
+    const kernels::preload_gemm_plan plan = kernels::plan_preload_gemm(
+      m, static_cast<int>(w.size(0)), static_cast<int>(w.size(1)), two_parts);
+    if (plan.shape >= 0) {
+      at::Tensor y = at::empty({x.size(0), w.size(0)}, f32 ? f32_ : bf_);
+      kernels::preload_gemm_args a;
+      a.x = x.data_ptr();
+      a.x_lo = two_parts ? lo->data_ptr() : nullptr;
+      a.w = w.data_ptr();
+      a.y = y.data_ptr();
+      a.m = m;
+      a.n = static_cast<int>(w.size(0));
+      a.k = static_cast<int>(w.size(1));
+      a.y_f32 = f32;
+      kernels::preload_gemm(a, plan, stream());
+      ++preload_gemms_;
+      return y;
+    }
+  }
+#endif
+  (void)x, (void)w, (void)f32, (void)lo;
+  return {};
+}
+
 // x [m, k] . w [n, k]^T: up to dense_gemv_max_rows_ (<= 8) rows the dense GEMV, up to
 // dense_mma_max_rows_ the tensor-core kernel, else the ATen GEMM (cuBLAS).
 at::Tensor fast_rank_forward::linear(const at::Tensor& x, const at::Tensor& w) const {
@@ -61,12 +94,16 @@ at::Tensor fast_rank_forward::linear(const at::Tensor& x, const at::Tensor& w) c
 #endif
   if (at::Tensor y = dense_mma(x, w, false); y.defined())
     return y;
+  if (at::Tensor y = preload_linear(x, w, false); y.defined())
+    return y;
   return at::matmul(x, w.t());
 }
 
 at::Tensor fast_rank_forward::linear_f32(const at::Tensor& x, const at::Tensor& w,
                                          std::int64_t max_mma_rows) const {
   if (at::Tensor y = dense_mma(x, w, true, max_mma_rows); y.defined())
+    return y;
+  if (at::Tensor y = preload_linear(x, w, true); y.defined())
     return y;
 #if defined(REFIT_HAVE_MM_DTYPE)
   if (x.is_cuda() && x.scalar_type() == at::kBFloat16)

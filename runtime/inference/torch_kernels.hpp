@@ -223,6 +223,39 @@ constexpr int dense_mma_max_rows = 128;
 int dense_mma_ksplit(const expert_mma_args& args, int m, int wanted);
 void dense_mma(const expert_mma_args& args, int m, int ksplit, void* stream);
 
+// A dense projection of a decode step's few rows with its weights copied into shared memory
+// before the programmatic wait (torch_kernels_preload.cu): y [m, n] (bf16, fp32 with y_f32) =
+// (x + x_lo) [m, k] . w [n, k]^T, all bf16, contiguous and 16-byte aligned, x_lo (the router's
+// low part) only for a two-part plan. Thread-block clusters of `split` blocks share a tile of
+// weight rows along k, one block an SM, their partial sums added in a fixed order through
+// distributed shared memory (the same bits run to run). plan_preload_gemm(m, n, k, two_parts,
+// wanted_shape) picks a compiled block shape that divides n and k into clusters of 2, 4 or 8
+// blocks and whose grid the current device holds in one wave (wanted_shape >= 0: that shape
+// only); shape < 0: none does (the caller takes another GEMM). m: 1..preload_gemm_max_rows.
+inline constexpr int preload_gemm_max_rows = 64;
+struct preload_gemm_args {
+  const void* x = nullptr;
+  const void* x_lo = nullptr;
+  const void* w = nullptr;
+  void* y = nullptr;
+  int m = 0;
+  int n = 0;
+  int k = 0;
+  bool y_f32 = false;
+};
+struct preload_gemm_plan {
+  int shape = -1;      // the compiled block shape
+  int token_tiles = 0; // 8-row token tiles (2, 4 or 8: m up to 16, 32 or 64)
+  int parts = 0;       // 1, or 2 with x_lo
+  int split = 0;       // blocks of a cluster along k
+  int tiles = 0;       // clusters (tiles of weight rows)
+};
+preload_gemm_plan plan_preload_gemm(int m, int n, int k, bool two_parts, int wanted_shape = -1);
+// The device queries behind plan_preload_gemm (resident clusters of every compiled kernel on the
+// current device), made once: call it before capturing a CUDA graph that plans inside.
+void preload_gemm_prepare();
+void preload_gemm(const preload_gemm_args& args, const preload_gemm_plan& plan, void* stream);
+
 // Sampling without top-k / top-p filters: out double [draws, 2] = (token, logprob) of draw d
 // from row rows[d] of logits fp32 (row_stride >= vocab floats apart, vocab columns) with
 // uniform uniforms[d] (null when greedy); the arithmetic of sample_on_device (z = logits * inv_t

@@ -1,0 +1,292 @@
+// The preloading GEMM of the bf16 engine's dense projections (kernels::preload_gemm: qkv, o_proj
+// and the router's two parts past dense_mma's rows) on a GPU (label gpu), alone: every compiled
+// block shape at every cluster size its k allows, token counts inside and across the 8-row
+// tiles, bf16 and fp32 out, against a host fp64 reference over the same bf16 inputs; every
+// element written and the same bits run to run; two launches chained through a CUDA graph
+// (the second's early weight copies overlapping the first) equal to the same two launched
+// eagerly; the model shapes planned on a full H200; bad shapes and plans refused by name.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "gpu_fixture.hpp"
+#include "gpu_kernel_fixture.hpp"
+#include "runtime/inference/torch_kernels.hpp"
+
+namespace {
+
+namespace kernels = refit::inference::kernels;
+using refit::testing::device_vec;
+using refit::testing::from_bf16;
+using refit::testing::random_bf16;
+using refit::testing::to_bf16;
+
+// y[i][r] = sum_c (x[i][c] (+ lo[i][c])) w[r][c], in double.
+std::vector<double> host_gemm(const std::vector<std::uint16_t>& x,
+                              const std::vector<std::uint16_t>* lo,
+                              const std::vector<std::uint16_t>& w, int m, int n, int k) {
+  std::vector<double> xs(static_cast<std::size_t>(m) * k);
+  for (std::size_t i = 0; i < xs.size(); ++i)
+    xs[i] = from_bf16(x[i]) + (lo != nullptr ? from_bf16((*lo)[i]) : 0.0);
+  std::vector<double> wd(w.size());
+  for (std::size_t i = 0; i < w.size(); ++i)
+    wd[i] = from_bf16(w[i]);
+  std::vector<double> y(static_cast<std::size_t>(m) * n);
+  for (int i = 0; i < m; ++i)
+    for (int r = 0; r < n; ++r) {
+      const double* xr = xs.data() + static_cast<std::size_t>(i) * k;
+      const double* wr = wd.data() + static_cast<std::size_t>(r) * k;
+      double acc = 0;
+      for (int c = 0; c < k; ++c)
+        acc += xr[c] * wr[c];
+      y[static_cast<std::size_t>(i) * n + r] = acc;
+    }
+  return y;
+}
+
+// The output as doubles and as raw bits (NaN where the kernel wrote nothing: the buffer starts
+// all ones).
+struct output {
+  std::vector<double> values;
+  std::vector<std::uint32_t> bits;
+};
+
+output read_output(const device_vec<std::uint8_t>& d_y, std::size_t elements, bool f32) {
+  const auto raw = d_y.host();
+  output o;
+  o.values.resize(elements);
+  o.bits.resize(elements);
+  for (std::size_t i = 0; i < elements; ++i) {
+    if (f32) {
+      float f;
+      std::memcpy(&f, raw.data() + 4 * i, 4);
+      std::memcpy(&o.bits[i], &f, 4);
+      o.values[i] = f;
+    } else {
+      std::uint16_t h;
+      std::memcpy(&h, raw.data() + 2 * i, 2);
+      o.bits[i] = h;
+      o.values[i] = from_bf16(h);
+    }
+  }
+  return o;
+}
+
+// The worst error against the reference, relative (fp32: to 1 + |ref|; bf16: to |ref| + 0.05,
+// one rounding of the output), failing on an element left unwritten.
+double worst_error(const output& o, const std::vector<double>& reference, bool f32,
+                   const std::string& where) {
+  double worst = 0;
+  for (std::size_t i = 0; i < reference.size(); ++i) {
+    if (!std::isfinite(o.values[i])) {
+      ADD_FAILURE() << "element " << i << " unwritten, " << where;
+      return 1e9;
+    }
+    const double err = f32 ? std::abs(o.values[i] - reference[i]) / (1.0 + std::abs(reference[i]))
+                           : std::abs(o.values[i] - reference[i]) / (std::abs(reference[i]) + 0.05);
+    worst = std::max(worst, err);
+  }
+  return worst;
+}
+
+struct gemm_case {
+  int shape, n, k;
+  bool two_parts;
+};
+
+// Each shape at each cluster size (k / the shape's k a block) it can take with a few tiles of
+// rows: 0 (160 x 512), 1 (128 x 512), 2 (16 x 256, two parts), 3 (32 x 128), 4 (16 x 128, two
+// parts).
+TEST(GpuPreloadGemm, MatchesTheHostReferenceForEveryShapeClusterSizeAndTokenCount) {
+  REQUIRE_GPUS(1);
+  int runs = 0;
+  for (const gemm_case c :
+       {gemm_case{0, 320, 1024, false}, gemm_case{0, 160, 2048, false},
+        gemm_case{0, 480, 4096, false}, gemm_case{1, 256, 1024, false},
+        gemm_case{1, 128, 2048, false}, gemm_case{1, 384, 4096, false},
+        gemm_case{2, 32, 512, true}, gemm_case{2, 16, 1024, true}, gemm_case{2, 128, 2048, true},
+        gemm_case{3, 96, 256, false}, gemm_case{3, 64, 512, false},
+        gemm_case{3, 32, 1024, false}, gemm_case{4, 16, 256, true}, gemm_case{4, 48, 512, true},
+        gemm_case{4, 16, 1024, true}}) {
+    const auto w = random_bf16(static_cast<std::size_t>(c.n) * c.k, 17 + c.n + c.k,
+                               1.0f / std::sqrt(float(c.k)));
+    device_vec<std::uint16_t> d_w(w);
+    for (const int m : {1, 7, 16, 17, 33, 64}) {
+      const std::string where = "shape " + std::to_string(c.shape) + " n " + std::to_string(c.n)
+                                + " k " + std::to_string(c.k) + " m " + std::to_string(m)
+                                + (c.two_parts ? " two parts" : "");
+      const kernels::preload_gemm_plan plan =
+        kernels::plan_preload_gemm(m, c.n, c.k, c.two_parts, c.shape);
+      ASSERT_EQ(plan.shape, c.shape) << "no plan for " << where;
+      EXPECT_EQ(plan.tiles * plan.split > 0, true) << where;
+      EXPECT_GE(plan.token_tiles * 8, m) << where;
+      const auto x = random_bf16(static_cast<std::size_t>(m) * c.k, 3 + m, 1.0f);
+      const auto lo = random_bf16(static_cast<std::size_t>(m) * c.k, 5 + m, 1.0f / 256);
+      const auto reference = host_gemm(x, c.two_parts ? &lo : nullptr, w, m, c.n, c.k);
+      device_vec<std::uint16_t> d_x(x), d_lo(lo);
+      for (const bool f32 : {false, true}) {
+        ++runs;
+        kernels::preload_gemm_args a;
+        a.x = d_x.p;
+        a.x_lo = c.two_parts ? d_lo.p : nullptr;
+        a.w = d_w.p;
+        a.m = m;
+        a.n = c.n;
+        a.k = c.k;
+        a.y_f32 = f32;
+        std::vector<std::uint32_t> first;
+        for (int rep = 0; rep < 2; ++rep) {
+          const std::size_t bytes = reference.size() * (f32 ? 4 : 2);
+          device_vec<std::uint8_t> d_y(bytes);
+          CUDA_OK(cudaMemset(d_y.p, 0xff, bytes));
+          a.y = d_y.p;
+          kernels::preload_gemm(a, plan, nullptr);
+          CUDA_OK(cudaDeviceSynchronize()) << where;
+          const output o = read_output(d_y, reference.size(), f32);
+          EXPECT_LT(worst_error(o, reference, f32, where), f32 ? 1e-4 : 0.02)
+            << where << (f32 ? " fp32" : " bf16");
+          if (rep == 0)
+            first = o.bits;
+          else
+            EXPECT_EQ(o.bits, first) << "a second run differs, " << where;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(runs, 15 * 6 * 2);
+}
+
+// Qwen3-30B-A3B's decode projections at batch 64 on a device of at least 128 SMs (an H200 has
+// 132): qkv in clusters of 4, o_proj in clusters of 8, the router's two parts in clusters of 8,
+// each grid in one wave; more than 64 rows has no plan.
+TEST(GpuPreloadGemm, TheModelShapesArePlannedInOneWave) {
+  REQUIRE_GPUS(1);
+  int sms = 0;
+  CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  if (sms < 128)
+    GTEST_SKIP() << sms << " SMs: the model shapes' 128 blocks need at least 128";
+  const auto qkv = kernels::plan_preload_gemm(64, 5120, 2048, false);
+  EXPECT_EQ(qkv.shape, 0);
+  EXPECT_EQ(qkv.split, 4);
+  EXPECT_EQ(qkv.tiles, 32);
+  const auto o_proj = kernels::plan_preload_gemm(64, 2048, 4096, false);
+  EXPECT_EQ(o_proj.shape, 1);
+  EXPECT_EQ(o_proj.split, 8);
+  EXPECT_EQ(o_proj.tiles, 16);
+  const auto router = kernels::plan_preload_gemm(64, 128, 2048, true);
+  EXPECT_EQ(router.shape, 2);
+  EXPECT_EQ(router.split, 8);
+  EXPECT_EQ(router.tiles, 8);
+  EXPECT_EQ(kernels::plan_preload_gemm(65, 5120, 2048, false).shape, -1);
+  EXPECT_EQ(kernels::plan_preload_gemm(64, 5120, 2048, true).shape, -1); // no two-part qkv shape
+  EXPECT_EQ(kernels::plan_preload_gemm(64, 5000, 2048, false).shape, -1); // no tile divides n
+}
+
+// y1 = x . w1^T (bf16), y2 = y1 . w2^T (fp32): the second launch reads the first's output after
+// its wait while its weight copies may run beside the first. Captured in a CUDA graph and
+// replayed, the same bits as launched eagerly, and the reference's values.
+TEST(GpuPreloadGemm, TwoChainedLaunchesInACudaGraphEqualTheEagerOnes) {
+  REQUIRE_GPUS(1);
+  const int m = 64, k1 = 1024, n1 = 1024, n2 = 256;
+  const auto x = random_bf16(static_cast<std::size_t>(m) * k1, 31, 1.0f);
+  const auto w1 = random_bf16(static_cast<std::size_t>(n1) * k1, 32, 1.0f / 32);
+  const auto w2 = random_bf16(static_cast<std::size_t>(n2) * n1, 33, 1.0f / 32);
+  device_vec<std::uint16_t> d_x(x), d_w1(w1), d_w2(w2);
+  device_vec<std::uint16_t> d_y1(static_cast<std::size_t>(m) * n1);
+  const auto p1 = kernels::plan_preload_gemm(m, n1, k1, false);
+  const auto p2 = kernels::plan_preload_gemm(m, n2, n1, false);
+  ASSERT_GE(p1.shape, 0);
+  ASSERT_GE(p2.shape, 0);
+  kernels::preload_gemm_args a1;
+  a1.x = d_x.p;
+  a1.w = d_w1.p;
+  a1.y = d_y1.p;
+  a1.m = m;
+  a1.n = n1;
+  a1.k = k1;
+  kernels::preload_gemm_args a2;
+  a2.x = d_y1.p;
+  a2.w = d_w2.p;
+  a2.m = m;
+  a2.n = n2;
+  a2.k = n1;
+  a2.y_f32 = true;
+  cudaStream_t s = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  const std::size_t bytes = static_cast<std::size_t>(m) * n2 * 4;
+  device_vec<std::uint8_t> eager(bytes), replayed(bytes);
+  CUDA_OK(cudaMemset(eager.p, 0xff, bytes));
+  CUDA_OK(cudaMemset(replayed.p, 0xff, bytes));
+  CUDA_OK(cudaDeviceSynchronize()); // the memsets ran on the legacy stream
+  a2.y = eager.p;
+  kernels::preload_gemm(a1, p1, s);
+  kernels::preload_gemm(a2, p2, s);
+  CUDA_OK(cudaStreamSynchronize(s));
+  const auto y1_eager = d_y1.host();
+  CUDA_OK(cudaMemset(d_y1.p, 0xff, d_y1.n * 2));
+  CUDA_OK(cudaDeviceSynchronize());
+  a2.y = replayed.p;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  kernels::preload_gemm(a1, p1, s);
+  kernels::preload_gemm(a2, p2, s);
+  CUDA_OK(cudaStreamEndCapture(s, &graph));
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int i = 0; i < 3; ++i)
+    CUDA_OK(cudaGraphLaunch(exec, s));
+  CUDA_OK(cudaStreamSynchronize(s));
+  const output e = read_output(eager, static_cast<std::size_t>(m) * n2, true);
+  const output r = read_output(replayed, static_cast<std::size_t>(m) * n2, true);
+  EXPECT_EQ(d_y1.host(), y1_eager) << "the first projection differs in the graph";
+  EXPECT_EQ(r.bits, e.bits) << "the graph's chained launches differ from the eager ones";
+  // The second against a host reference over the first's bf16 output.
+  std::vector<std::uint16_t> y1(y1_eager.begin(), y1_eager.end());
+  EXPECT_LT(worst_error(e, host_gemm(y1, nullptr, w2, m, n2, n1), true, "chained"), 1e-4);
+  CUDA_OK(cudaGraphExecDestroy(exec));
+  CUDA_OK(cudaGraphDestroy(graph));
+  CUDA_OK(cudaStreamDestroy(s));
+}
+
+// Shapes past the kernel and launches that do not match their plan are refused, naming what
+// was wrong.
+TEST(GpuPreloadGemm, BadShapesAndPlansAreRefusedByName) {
+  REQUIRE_GPUS(1);
+  EXPECT_EQ(kernels::plan_preload_gemm(0, 320, 1024, false).shape, -1);
+  EXPECT_EQ(kernels::plan_preload_gemm(8, 320, 1000, false).shape, -1);
+  EXPECT_EQ(kernels::plan_preload_gemm(8, 320, 1024, false, 7).shape, -1); // no shape 7
+  EXPECT_EQ(kernels::plan_preload_gemm(8, 320, 1024, true, 0).shape, -1);  // shape 0: one part
+  const auto plan = kernels::plan_preload_gemm(8, 320, 1024, false, 0);
+  ASSERT_EQ(plan.shape, 0);
+  device_vec<std::uint16_t> buf(static_cast<std::size_t>(64) * 1024);
+  kernels::preload_gemm_args a;
+  a.x = buf.p;
+  a.w = buf.p;
+  a.y = buf.p;
+  a.m = 8;
+  a.n = 320;
+  a.k = 2048; // not the plan's k
+  const auto refused = [&](const std::string& needle) {
+    try {
+      kernels::preload_gemm(a, plan, nullptr);
+      ADD_FAILURE() << "accepted; expected a refusal naming '" << needle << "'";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  refused("not the plan's shape");
+  a.k = 1024;
+  a.m = 17; // past the plan's 16 rows
+  refused("rows outside the plan's 1..16");
+  a.m = 8;
+  a.x_lo = buf.p; // a second part for a one-part plan
+  refused("x_lo exactly for a two-part plan");
+}
+
+} // namespace
