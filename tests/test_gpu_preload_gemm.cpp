@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <iostream>
 #include <string>
 #include <vector>
 
@@ -123,7 +124,8 @@ TEST(GpuPreloadGemm, MatchesTheHostReferenceForEveryShapeClusterSizeAndTokenCoun
                                 + (c.two_parts ? " two parts" : "");
       const kernels::preload_gemm_plan plan =
         kernels::plan_preload_gemm(m, c.n, c.k, c.two_parts, c.shape);
-      ASSERT_EQ(plan.shape, c.shape) << "no plan for " << where;
+      ASSERT_EQ(plan.shape, c.shape)
+        << "no plan for " << where << ": " << kernels::preload_gemm_candidates(m, c.n, c.k, c.two_parts);
       EXPECT_EQ(plan.tiles * plan.split > 0, true) << where;
       EXPECT_GE(plan.token_tiles * 8, m) << where;
       const auto x = random_bf16(static_cast<std::size_t>(m) * c.k, 3 + m, 1.0f);
@@ -171,16 +173,20 @@ TEST(GpuPreloadGemm, TheModelShapesArePlannedInOneWave) {
   CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   if (sms < 128)
     GTEST_SKIP() << sms << " SMs: the model shapes' 128 blocks need at least 128";
+  std::cout << "[ measured ] qkv: " << kernels::preload_gemm_candidates(64, 5120, 2048, false)
+            << "\n[ measured ] o_proj: " << kernels::preload_gemm_candidates(64, 2048, 4096, false)
+            << "\n[ measured ] router: " << kernels::preload_gemm_candidates(64, 128, 2048, true)
+            << "\n";
   const auto qkv = kernels::plan_preload_gemm(64, 5120, 2048, false);
-  EXPECT_EQ(qkv.shape, 0);
+  EXPECT_EQ(qkv.shape, 0) << kernels::preload_gemm_candidates(64, 5120, 2048, false);
   EXPECT_EQ(qkv.split, 4);
   EXPECT_EQ(qkv.tiles, 32);
   const auto o_proj = kernels::plan_preload_gemm(64, 2048, 4096, false);
-  EXPECT_EQ(o_proj.shape, 1);
+  EXPECT_EQ(o_proj.shape, 1) << kernels::preload_gemm_candidates(64, 2048, 4096, false);
   EXPECT_EQ(o_proj.split, 8);
   EXPECT_EQ(o_proj.tiles, 16);
   const auto router = kernels::plan_preload_gemm(64, 128, 2048, true);
-  EXPECT_EQ(router.shape, 2);
+  EXPECT_EQ(router.shape, 2) << kernels::preload_gemm_candidates(64, 128, 2048, true);
   EXPECT_EQ(router.split, 8);
   EXPECT_EQ(router.tiles, 8);
   EXPECT_EQ(kernels::plan_preload_gemm(65, 5120, 2048, false).shape, -1);

@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 namespace refit::inference::kernels {
 
@@ -254,6 +255,9 @@ preload_gemm_plan plan_preload_gemm(int m, int n, int k, bool two_parts, int wan
 // The device queries behind plan_preload_gemm (resident clusters of every compiled kernel on the
 // current device), made once: call it before capturing a CUDA graph that plans inside.
 void preload_gemm_prepare();
+// Every compiled shape's fit for (m, n, k): its split, its clusters and the clusters the current
+// device holds at once (for a refusal's message, and the tests').
+std::string preload_gemm_candidates(int m, int n, int k, bool two_parts);
 void preload_gemm(const preload_gemm_args& args, const preload_gemm_plan& plan, void* stream);
 
 // Sampling without top-k / top-p filters: out double [draws, 2] = (token, logprob) of draw d

@@ -417,6 +417,29 @@ preload_gemm_plan plan_preload_gemm(int m, int n, int k, bool two_parts, int wan
   return plan;
 }
 
+std::string preload_gemm_candidates(int m, int n, int k, bool two_parts) {
+  std::string out;
+  const int parts = two_parts ? 2 : 1;
+  const int tt = token_tiles_for(m < 1 ? 1 : m);
+  for (int shape = 0; shape < shape_count; ++shape) {
+    const shape_facts f = facts(shape, tt, parts);
+    if (f.kernel == nullptr)
+      continue;
+    out += "shape " + std::to_string(shape) + " (" + std::to_string(f.tile_rows) + " x "
+           + std::to_string(f.k_block) + "): ";
+    if (n % f.tile_rows != 0 || k % f.k_block != 0) {
+      out += "does not divide; ";
+      continue;
+    }
+    const int split = k / f.k_block;
+    const bool usable = (split == 2 || split == 4 || split == 8) && (f.tile_rows / split) % 2 == 0;
+    out += "split " + std::to_string(split) + ", " + std::to_string(n / f.tile_rows)
+           + " clusters, the device holds "
+           + (usable ? std::to_string(resident_clusters(shape, tt, parts, split)) : "-") + "; ";
+  }
+  return out;
+}
+
 void preload_gemm(const preload_gemm_args& a, const preload_gemm_plan& plan, void* stream) {
   const std::string what = "preload_gemm: m " + std::to_string(a.m) + ", n " + std::to_string(a.n)
                            + ", k " + std::to_string(a.k);
