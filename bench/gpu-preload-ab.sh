@@ -6,7 +6,8 @@
 # Writes $OUT/preload-tests.log, $OUT/ab-<variant>-<round>.json, $OUT/hf-generate.json and
 # prints one line per run (ms a decode step, tok/s, roofline ratio).
 #   ROUNDS (2) interleaved rounds of VARIANTS (space-separated "name:ENV=V,ENV2=V"; default:
-#   cuBLAS, qkv + o_proj, + the router) at BATCH (64); HF=0 skips HF; TESTS=0 skips the tests.
+#   cuBLAS, qkv + o_proj, + the router, + the mix's early trigger) at BATCH (64); HF=0 skips
+#   HF; TESTS=0 skips the tests.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -15,14 +16,15 @@ BATCH=${BATCH:-64}
 HF=${HF:-1}
 TESTS=${TESTS:-1}
 LIMIT=${LIMIT:-300}
-VARIANTS=${VARIANTS:-"cublas:REFIT_PRELOAD_GEMM=0 preload:REFIT_PRELOAD_GEMM=1 router:REFIT_PRELOAD_GEMM=2"}
+VARIANTS=${VARIANTS:-"cublas:REFIT_PRELOAD_GEMM=0 preload:REFIT_PRELOAD_GEMM=1 router:REFIT_PRELOAD_GEMM=2 trigger:REFIT_PRELOAD_GEMM=2,REFIT_MIX_TRIGGER_EARLY=1"}
 RECIPE=configs/bench-generate-h200.yaml
 mkdir -p "$OUT"
 status=0
 
 if [ "$TESTS" = 1 ]; then
   # The kernel alone, then the engine's paths that take it (ctest names are Suite.Name).
-  timeout 900 ctest --test-dir build-gpu -R 'GpuPreloadGemm|GpuEngine' --output-on-failure \
+  timeout 900 ctest --test-dir build-gpu -R 'GpuPreloadGemm|GpuEngine|GpuResidualKernels' \
+    --output-on-failure \
     --timeout 300 > "$OUT/preload-tests.log" 2>&1 || status=1
   grep -E "tests passed|Failed|\*\*\*|No tests were found" "$OUT/preload-tests.log" | tail -20
   grep -q "No tests were found" "$OUT/preload-tests.log" && { echo "TESTS: NONE MATCHED"; status=1; }

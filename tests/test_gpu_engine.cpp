@@ -337,11 +337,14 @@ TEST(GpuEngine, CudaGraphReplayOfPersistentExpertsEqualsEagerAndIsDeterministic)
 }
 
 // The same with qkv, o_proj and the router on the preloading GEMM (the small model: its
-// hidden size 256 fits the GEMM's small shapes), captured in the step's graph.
+// hidden size 256 fits the GEMM's small shapes), captured in the step's graph, the mix letting
+// the next layer's qkv start before its wait (REFIT_MIX_TRIGGER_EARLY).
 TEST(GpuEngine, CudaGraphReplayOfThePreloadingGemmEqualsEagerAndIsDeterministic) {
   REQUIRE_GPU();
   inf::forward_counters c;
-  expect_graph_replay_equals_eager(true, preload_knobs, refit::testing::small_model(), &c);
+  env_vars knobs = preload_knobs;
+  knobs.emplace_back("REFIT_MIX_TRIGGER_EARLY", "1");
+  expect_graph_replay_equals_eager(true, knobs, refit::testing::small_model(), &c);
   EXPECT_GT(c.preload_gemms, 0u);
 }
 

@@ -4,7 +4,8 @@
 // tiles, bf16 and fp32 out, against a host fp64 reference over the same bf16 inputs; every
 // element written and the same bits run to run; two launches chained through a CUDA graph
 // (the second's early weight copies overlapping the first) equal to the same two launched
-// eagerly; the model shapes planned on a full H200; bad shapes and plans refused by name.
+// eagerly; after a mix that lets it start before the mix's wait, it reads the mix's output; the
+// model shapes planned on a full H200; bad shapes and plans refused by name.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -13,6 +14,8 @@
 #include <cstdint>
 #include <cstring>
 #include <iostream>
+#include <numeric>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -255,6 +258,79 @@ TEST(GpuPreloadGemm, TwoChainedLaunchesInACudaGraphEqualTheEagerOnes) {
   // The second against a host reference over the first's bf16 output.
   std::vector<std::uint16_t> y1(y1_eager.begin(), y1_eager.end());
   EXPECT_LT(worst_error(e, host_gemm(y1, nullptr, w2, m, n2, n1), true, "chained"), 1e-4);
+  CUDA_OK(cudaGraphExecDestroy(exec));
+  CUDA_OK(cudaGraphDestroy(graph));
+  CUDA_OK(cudaStreamDestroy(s));
+}
+
+// The engine's layer boundary with the mix's early trigger (REFIT_MIX_TRIGGER_EARLY): the mix
+// of 64 tokens' 8 expert rows into the residual with the next norm, then qkv on this GEMM over
+// the normed rows, captured in a CUDA graph. The GEMM's blocks may start before the mix waits;
+// they must still read the mix's output, not what the buffer held before (NaN here): the result
+// equals a host product over the normed rows read back, replay after replay.
+TEST(GpuPreloadGemm, AfterAMixThatTriggersEarlyItReadsTheMixOutput) {
+  REQUIRE_GPUS(1);
+  const int n = 64, top_k = 8, h = 2048, rows = 640;
+  const float eps = 1e-6f;
+  std::mt19937 rng(41);
+  std::uniform_real_distribution<float> u(-0.5f, 0.5f);
+  std::vector<float> y(static_cast<std::size_t>(n) * top_k * h), x0(static_cast<std::size_t>(n) * h),
+    weights(static_cast<std::size_t>(n) * top_k);
+  for (auto& v : y)
+    v = u(rng);
+  for (auto& v : x0)
+    v = 4 * u(rng);
+  for (auto& v : weights)
+    v = u(rng) + 0.5f;
+  std::vector<std::int64_t> inverse(static_cast<std::size_t>(n) * top_k);
+  std::iota(inverse.begin(), inverse.end(), std::int64_t{0});
+  std::shuffle(inverse.begin(), inverse.end(), rng);
+  const auto norm_w = random_bf16(static_cast<std::size_t>(h), 42, 1.5f);
+  const auto w = random_bf16(static_cast<std::size_t>(rows) * h, 43, 1.0f / 45);
+  device_vec<float> d_y(y), d_x(x0), d_weights(weights);
+  device_vec<std::int64_t> d_inv(inverse);
+  device_vec<std::uint16_t> d_nw(norm_w), d_w(w), d_normed(static_cast<std::size_t>(n) * h);
+  device_vec<std::uint8_t> d_out(static_cast<std::size_t>(n) * rows * 2);
+  const auto plan = kernels::plan_preload_gemm(n, rows, h, false);
+  ASSERT_GE(plan.shape, 0) << kernels::preload_gemm_candidates(n, rows, h, false);
+  kernels::preload_gemm_args a;
+  a.x = d_normed.p;
+  a.w = d_w.p;
+  a.y = d_out.p;
+  a.m = n;
+  a.n = rows;
+  a.k = h;
+  cudaStream_t s = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  const auto layer = [&] {
+    kernels::mix_experts(d_y.p, d_inv.p, d_weights.p, d_x.p, n, top_k, h, d_nw.p, d_normed.p,
+                         eps, s, /*y_f32=*/true, /*early=*/true, /*trigger_early=*/true);
+    kernels::preload_gemm(a, plan, s);
+  };
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  layer();
+  CUDA_OK(cudaStreamEndCapture(s, &graph));
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  std::vector<std::uint32_t> first;
+  for (int rep = 0; rep < 3; ++rep) {
+    const std::string where = "replay " + std::to_string(rep);
+    CUDA_OK(cudaMemcpy(d_x.p, x0.data(), x0.size() * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemset(d_normed.p, 0xff, d_normed.n * 2)); // NaN until the mix writes it
+    CUDA_OK(cudaMemset(d_out.p, 0xff, d_out.n));
+    CUDA_OK(cudaDeviceSynchronize());
+    CUDA_OK(cudaGraphLaunch(exec, s));
+    CUDA_OK(cudaStreamSynchronize(s));
+    const auto normed = d_normed.host();
+    const output o = read_output(d_out, static_cast<std::size_t>(n) * rows, false);
+    EXPECT_LT(worst_error(o, host_gemm(normed, nullptr, w, n, rows, h), false, where), 0.02)
+      << where;
+    if (rep == 0)
+      first = o.bits;
+    else
+      EXPECT_EQ(o.bits, first) << "a replay differs, " << where;
+  }
   CUDA_OK(cudaGraphExecDestroy(exec));
   CUDA_OK(cudaGraphDestroy(graph));
   CUDA_OK(cudaStreamDestroy(s));

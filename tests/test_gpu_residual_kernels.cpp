@@ -1,7 +1,8 @@
 // The bf16 engine's residual kernels on a GPU (label gpu), alone: the experts' weighted mix
 // into the fp32 residual with the next layer's RMSNorm (mix_experts), its early variant (the
-// routing, the residual row and the norm weights read before the programmatic wait) bit for
-// bit against the plain one, both against a host fp64 reference.
+// routing, the residual row and the norm weights read before the programmatic wait) and its
+// early trigger (the next kernel scheduled before its wait) bit for bit against the plain one,
+// all against a host fp64 reference.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -81,18 +82,21 @@ TEST(GpuResidualKernels, EarlyMixEqualsThePlainMixBitwiseAndTheHostReference) {
     device_vec<i64> d_inv(inverse);
     device_vec<float> d_wt(weights);
     device_vec<std::uint16_t> d_nw(nw);
-    const auto run = [&](bool early) {
+    const auto run = [&](bool early, bool trigger_early = false) {
       device_vec<float> d_x(x0);
       device_vec<std::uint16_t> d_out(static_cast<std::size_t>(m.n) * m.h);
       kernels::mix_experts(m.y_f32 ? static_cast<const void*>(d_y32.p) : d_y16.p, d_inv.p,
                            d_wt.p, d_x.p, m.n, m.top_k, m.h, m.with_norm ? d_nw.p : nullptr,
-                           m.with_norm ? d_out.p : nullptr, eps, nullptr, m.y_f32, early);
+                           m.with_norm ? d_out.p : nullptr, eps, nullptr, m.y_f32, early,
+                           trigger_early);
       EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       return mix_result{d_x.host(), d_out.host()};
     };
-    const mix_result plain = run(false), early = run(true);
+    const mix_result plain = run(false), early = run(true), triggering = run(true, true);
     EXPECT_EQ(early.x, plain.x);
     EXPECT_EQ(early.normed, plain.normed);
+    EXPECT_EQ(triggering.x, plain.x) << "the early trigger changes no sum";
+    EXPECT_EQ(triggering.normed, plain.normed);
     double worst_x = 0, worst_norm = 0;
     for (int t = 0; t < m.n; ++t) {
       std::vector<double> row(static_cast<std::size_t>(m.h));

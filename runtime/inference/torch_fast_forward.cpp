@@ -126,6 +126,7 @@ fast_rank_forward::fast_rank_forward(const rank_forward_options& o)
   router_mma_max_rows_ =
     count_knob("REFIT_ROUTER_MMA_MAX_ROWS", router_mma_max_rows_, "rows", 128); // dense_mma_max_rows
   preload_gemm_ = choice_knob("REFIT_PRELOAD_GEMM", {"0", "1", "2"}, preload_gemm_);
+  mix_trigger_early_ = choice_knob("REFIT_MIX_TRIGGER_EARLY", {"0", "1"}, mix_trigger_early_);
   [[maybe_unused]] const bool programmatic = choice_knob("REFIT_PDL", {"0", "1"}, 1) == 1;
 #if defined(REFIT_TORCH_CUDA)
   if (device_.is_cuda())

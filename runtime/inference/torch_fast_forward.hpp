@@ -448,6 +448,12 @@ private:
   // memory before the programmatic wait, instead of cuBLAS (REFIT_PRELOAD_GEMM=0|1|2). Off until
   // it is measured on a GPU: it was written in a session without one.
   std::int64_t preload_gemm_ = 0;
+  // The mix lets the next kernel be scheduled when its blocks start rather than after its wait
+  // for the down projection (REFIT_MIX_TRIGGER_EARLY=0|1), so that the next layer's qkv on the
+  // preloading GEMM can copy its weights while the down projection ends. Every kernel that can
+  // follow the mix reads nothing but weights before its wait (qkv on our kernels), or takes no
+  // part in programmatic launch (cuBLAS, ATen). Off, like the GEMM, until measured.
+  std::int64_t mix_trigger_early_ = 0;
   // Draws without top-k / top-p by the fused sampler (kernels::sample_plain) instead of the
   // ATen chain (REFIT_FUSED_SAMPLING=0|1).
   std::int64_t fused_sampling_ = 1;

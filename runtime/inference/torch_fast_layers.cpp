@@ -269,7 +269,7 @@ at::Tensor fast_rank_forward::experts(const layer_tensors& w, const at::Tensor& 
                          next_norm != nullptr ? next_norm->data_ptr() : nullptr,
                          next_norm != nullptr ? normed.data_ptr() : nullptr,
                          static_cast<float>(cfg_.rms_norm_eps), stream(),
-                         ys.scalar_type() == at::kFloat, early);
+                         ys.scalar_type() == at::kFloat, early, mix_trigger_early_ != 0);
     return normed;
   }
 #endif

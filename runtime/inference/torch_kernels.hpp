@@ -284,9 +284,13 @@ void silu_mul(const void* gate_up, void* act, std::int64_t m, int i, void* strea
 // early (where h % 256 == 0, h <= 8192, top_k <= 32): inverse, weights, x and norm_w are read
 // before the programmatic wait, so they must have been written by kernels that ran before the
 // one just before this (which writes y); the same bits either way.
+// trigger_early: the kernel after it may be scheduled as soon as this one's blocks start, before
+// they wait for the kernel before (the down projection): that next kernel must read before its
+// own wait only what kernels before the down projection wrote (the preloading GEMM: weights).
 void mix_experts(const void* y, const std::int64_t* inverse, const float* weights, float* x,
                  int n, int top_k, int h, const void* norm_w, void* norm_out, float eps,
-                 void* stream, bool y_f32 = false, bool early = false);
+                 void* stream, bool y_f32 = false, bool early = false,
+                 bool trigger_early = false);
 
 // x fp32 [n, h] += bf16 y [n, h].
 void add_bf16(float* x, const void* y, std::int64_t elements, void* stream);

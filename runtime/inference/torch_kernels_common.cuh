@@ -194,6 +194,15 @@ __device__ __forceinline__ void pdl_enter() {
 #endif
 }
 
+// Only the second half of pdl_enter: lets the next kernel's blocks be scheduled before this
+// kernel waits for the one before it (a kernel that calls it must know that the next one reads,
+// before its own wait, nothing that the kernel before this one writes).
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Whether launch() sets the attribute (set_programmatic_launch, from REFIT_PDL).
 inline std::atomic<bool> programmatic_launch{true};
 

@@ -335,8 +335,10 @@ template <class Y>
 __global__ void mix_kernel(const Y* __restrict__ y, const i64* __restrict__ inverse,
                            const float* __restrict__ weights, float* __restrict__ x, int top_k,
                            int h, const bf16* __restrict__ norm_w, bf16* __restrict__ norm_out,
-                           float eps, bool early) {
+                           float eps, bool early, bool trigger_early) {
   __shared__ float shared[32];
+  if (trigger_early) // the next kernel (the next layer's qkv) may start during the down projection
+    pdl_trigger();
   const int t = blockIdx.x;
   const i64* inv = inverse + static_cast<i64>(t) * top_k;
   const float* wt = weights + static_cast<i64>(t) * top_k;
@@ -468,18 +470,20 @@ void silu_mul(const void* gate_up, void* act, std::int64_t m, int inter, void* s
 
 void mix_experts(const void* y, const std::int64_t* inverse, const float* weights, float* x,
                  int n, int top_k, int h, const void* norm_w, void* norm_out, float eps,
-                 void* stream, bool y_f32, bool early) {
+                 void* stream, bool y_f32, bool early, bool trigger_early) {
   // Early: a thread per 8 columns (h a multiple of 256 up to 8192: whole warps).
   early = early && h % 256 == 0 && h / 8 <= 1024 && top_k <= max_mix_early_top_k;
   const int threads = early ? h / 8 : 256;
   if (y_f32)
     launch("mix_experts", mix_kernel<float>, dim3(n), dim3(threads), as_stream(stream),
            static_cast<const float*>(y), inverse, weights, x, top_k, h,
-           static_cast<const bf16*>(norm_w), static_cast<bf16*>(norm_out), eps, early);
+           static_cast<const bf16*>(norm_w), static_cast<bf16*>(norm_out), eps, early,
+           trigger_early);
   else
     launch("mix_experts", mix_kernel<bf16>, dim3(n), dim3(threads), as_stream(stream),
            static_cast<const bf16*>(y), inverse, weights, x, top_k, h,
-           static_cast<const bf16*>(norm_w), static_cast<bf16*>(norm_out), eps, early);
+           static_cast<const bf16*>(norm_w), static_cast<bf16*>(norm_out), eps, early,
+           trigger_early);
 }
 
 } // namespace refit::inference::kernels
