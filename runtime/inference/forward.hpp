@@ -167,8 +167,8 @@ struct forward_counters {
   std::uint64_t expert_loads = 0;        // sum over forwards and layers of distinct routed experts
   std::uint64_t decode_expert_loads = 0; // the same over decode forwards (one token per item)
   std::uint64_t peak_workspace_bytes = 0; // device memory the engine allocated beyond weights/KV
-  std::uint64_t preload_gemms = 0; // dense projections launched or captured on the preloading GEMM
   bool counts_experts = false;            // the expert_loads fields are counted
+  std::uint64_t preload_gemms = 0; // dense projections launched or captured on the preloading GEMM
 };
 
 class rank_forward {

@@ -379,7 +379,11 @@ private:
   const at::TensorOptions f32_; // fp32 on device_
   std::vector<float> inv_freq_;
   std::unordered_map<const std::byte*, at::Tensor> cache_;
-  forward_counters counters_{0, 0, 0, 0, 0, 0, true}; // counts_experts
+  forward_counters counters_ = [] { // by name: a field added to the struct cannot shift it
+    forward_counters c;
+    c.counts_experts = true;
+    return c;
+  }();
   bool decode_ = false; // the current forward feeds one token per item
 };
 
