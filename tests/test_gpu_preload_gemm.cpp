@@ -99,6 +99,21 @@ double worst_error(const output& o, const std::vector<double>& reference, bool f
   return worst;
 }
 
+// The arguments of y [m, n] = (x (+ lo)) [m, k] . w [n, k]^T.
+kernels::preload_gemm_args gemm_args(const void* x, const void* w, void* y, int m, int n, int k,
+                                     bool y_f32 = false, const void* lo = nullptr) {
+  kernels::preload_gemm_args a;
+  a.x = x;
+  a.x_lo = lo;
+  a.w = w;
+  a.y = y;
+  a.m = m;
+  a.n = n;
+  a.k = k;
+  a.y_f32 = y_f32;
+  return a;
+}
+
 struct gemm_case {
   int shape, n, k;
   bool two_parts;
@@ -137,14 +152,8 @@ TEST(GpuPreloadGemm, MatchesTheHostReferenceForEveryShapeClusterSizeAndTokenCoun
       device_vec<std::uint16_t> d_x(x), d_lo(lo);
       for (const bool f32 : {false, true}) {
         ++runs;
-        kernels::preload_gemm_args a;
-        a.x = d_x.p;
-        a.x_lo = c.two_parts ? d_lo.p : nullptr;
-        a.w = d_w.p;
-        a.m = m;
-        a.n = c.n;
-        a.k = c.k;
-        a.y_f32 = f32;
+        kernels::preload_gemm_args a = gemm_args(d_x.p, d_w.p, nullptr, m, c.n, c.k, f32,
+                                                 c.two_parts ? d_lo.p : nullptr);
         std::vector<std::uint32_t> first;
         for (int rep = 0; rep < 2; ++rep) {
           const std::size_t bytes = reference.size() * (f32 ? 4 : 2);
@@ -212,20 +221,8 @@ TEST(GpuPreloadGemm, TwoChainedLaunchesInACudaGraphEqualTheEagerOnes) {
   const auto p2 = kernels::plan_preload_gemm(m, n2, n1, false);
   ASSERT_GE(p1.shape, 0);
   ASSERT_GE(p2.shape, 0);
-  kernels::preload_gemm_args a1;
-  a1.x = d_x.p;
-  a1.w = d_w1.p;
-  a1.y = d_y1.p;
-  a1.m = m;
-  a1.n = n1;
-  a1.k = k1;
-  kernels::preload_gemm_args a2;
-  a2.x = d_y1.p;
-  a2.w = d_w2.p;
-  a2.m = m;
-  a2.n = n2;
-  a2.k = n1;
-  a2.y_f32 = true;
+  const kernels::preload_gemm_args a1 = gemm_args(d_x.p, d_w1.p, d_y1.p, m, n1, k1);
+  kernels::preload_gemm_args a2 = gemm_args(d_y1.p, d_w2.p, nullptr, m, n2, n1, true);
   cudaStream_t s = nullptr;
   CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   const std::size_t bytes = static_cast<std::size_t>(m) * n2 * 4;
@@ -293,13 +290,7 @@ TEST(GpuPreloadGemm, AfterAMixThatTriggersEarlyItReadsTheMixOutput) {
   device_vec<std::uint8_t> d_out(static_cast<std::size_t>(n) * rows * 2);
   const auto plan = kernels::plan_preload_gemm(n, rows, h, false);
   ASSERT_GE(plan.shape, 0) << kernels::preload_gemm_candidates(n, rows, h, false);
-  kernels::preload_gemm_args a;
-  a.x = d_normed.p;
-  a.w = d_w.p;
-  a.y = d_out.p;
-  a.m = n;
-  a.n = rows;
-  a.k = h;
+  const kernels::preload_gemm_args a = gemm_args(d_normed.p, d_w.p, d_out.p, n, rows, h);
   cudaStream_t s = nullptr;
   CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   const auto layer = [&] {
@@ -347,13 +338,7 @@ TEST(GpuPreloadGemm, BadShapesAndPlansAreRefusedByName) {
   const auto plan = kernels::plan_preload_gemm(8, 320, 1024, false, 0);
   ASSERT_EQ(plan.shape, 0);
   device_vec<std::uint16_t> buf(static_cast<std::size_t>(64) * 1024);
-  kernels::preload_gemm_args a;
-  a.x = buf.p;
-  a.w = buf.p;
-  a.y = buf.p;
-  a.m = 8;
-  a.n = 320;
-  a.k = 2048; // not the plan's k
+  kernels::preload_gemm_args a = gemm_args(buf.p, buf.p, buf.p, 8, 320, 2048); // not the plan's k
   const auto refused = [&](const std::string& needle) {
     try {
       kernels::preload_gemm(a, plan, nullptr);
