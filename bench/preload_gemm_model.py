@@ -116,7 +116,7 @@ def run(RT, KC, WR, WK, NG, MT, PARTS, m, n, k, split):
             err = max(err, abs(y[i][j]-ref))
     print(RT, KC, WR, WK, NG, MT, PARTS, m, n, k, split, "max err", err)
     assert err == 0
-CASES = [  # RT, KC, WR, WK, NG, MT, PARTS, m, n, k, split: the kernel's five shapes
+CASES = [  # RT, KC, WR, WK, NG, MT, PARTS, m, n, k, split: the kernel's six shapes
     (2, 8, 5, 2, 4, 8, 1, 37, 160, 1024, 2),
     (4, 4, 2, 4, 4, 4, 1, 17, 256, 1024, 2),
     (4, 4, 2, 4, 4, 8, 1, 64, 128, 4096, 8),  # o_proj's k and cluster size
@@ -124,6 +124,7 @@ CASES = [  # RT, KC, WR, WK, NG, MT, PARTS, m, n, k, split: the kernel's five sh
     (1, 1, 1, 8, 1, 2, 2, 5, 16, 1024, 4),
     (1, 2, 2, 2, 1, 8, 1, 41, 96, 256, 2),
     (1, 1, 1, 4, 1, 4, 2, 23, 16, 512, 4),
+    (2, 8, 10, 1, 4, 8, 1, 64, 320, 2048, 8),  # qkv's k in clusters of 8
 ]
 SMEM_LIMIT = 232448  # bytes of dynamic shared memory a block may take on sm_90
 for RT, KC, WR, WK, NG, MT, PARTS, *_ in CASES:

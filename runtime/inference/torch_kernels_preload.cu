@@ -51,14 +51,17 @@ struct preload_shape {
 // weights: Qwen3-30B-A3B's qkv in 32 clusters of 4), 1 o_proj-like (128 x 512, 128 KiB: its
 // o_proj in 16 clusters of 8), 2 the router's two parts (16 x 256, 8 KiB: 8 clusters of 8);
 // 3 and 4, one and two parts at 32 x 128 and 16 x 128, for the small models of hidden size 256
-// to 1024 (the engine tests'). A 320 x 256 shape of 10 warps with 4 A tiles each spilled
-// registers at 64 rows and is not here.
+// to 1024 (the engine tests'); 5 (320 x 256, 160 KiB) the qkv in 16 clusters of 8, for a device
+// that holds 16 of those but not 32 clusters of 4 (how its SMs are spread over GPCs decides).
+// (10 warps of 4 A tiles each at 320 x 256 spilled registers at 64 rows: shape 5 has 10 warps of
+// 2 A tiles, each over the block's whole k.)
 using shape0 = preload_shape<2, 8, 5, 2, 4>;
 using shape1 = preload_shape<4, 4, 2, 4, 4>;
 using shape2 = preload_shape<1, 1, 1, 8, 1>;
 using shape3 = preload_shape<1, 2, 2, 2, 1>;
 using shape4 = preload_shape<1, 1, 1, 4, 1>;
-constexpr int shape_count = 5;
+using shape5 = preload_shape<2, 8, 10, 1, 4>;
+constexpr int shape_count = 6;
 
 // Floats of a token row in the partial sums: NT + 4, so that the lanes of a warp writing
 // rows g and tokens 2t fall in 32 different banks.
@@ -282,6 +285,7 @@ bool with_kernel(int shape, int token_tiles, int parts, F&& f) {
     case 2: return parts == 2 && by_tiles(shape2{}, std::integral_constant<int, 2>{});
     case 3: return parts == 1 && by_tiles(shape3{}, one);
     case 4: return parts == 2 && by_tiles(shape4{}, std::integral_constant<int, 2>{});
+    case 5: return parts == 1 && by_tiles(shape5{}, one);
   }
   return false;
 }
