@@ -7,7 +7,8 @@
 # prints one line per run (ms a decode step, tok/s, roofline ratio).
 #   ROUNDS (2) interleaved rounds of VARIANTS (space-separated "name:ENV=V,ENV2=V"; default:
 #   cuBLAS, qkv + o_proj, + the router, + the mix's early trigger) at BATCH (64); HF=0 skips
-#   HF; TESTS=0 skips the tests.
+#   HF; TESTS=0 skips the tests; TRACE="ENV=V,..." adds a CUPTI trace of the step under those
+#   knobs (bench/gpu-trace-decode.sh, into $OUT/trace/), e.g. TRACE=REFIT_PRELOAD_GEMM=2.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -64,5 +65,9 @@ for b in json.load(open(sys.argv[1])).get("batches", []):
     print("HF batch %d: %.2f tok/s; 10x needs %.3f ms a step" % (
         b["batch"], b["decode_tok_s"], 1000.0 * b["batch"] / (10.0 * b["decode_tok_s"])))
 PY
+fi
+if [ -n "${TRACE:-}" ]; then
+  env ${TRACE//,/ } OUT="$OUT/trace" BATCH="$BATCH" TOKENS=24 bash bench/gpu-trace-decode.sh \
+    | tail -60 || status=1
 fi
 exit $status
