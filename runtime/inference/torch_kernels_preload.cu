@@ -9,7 +9,7 @@
 //
 // Layout: a thread-block cluster of `split` blocks per tile of NT weight rows, block `rank`
 // taking k columns [rank KS, (rank + 1) KS) of them (a block per SM: the grid must fit in one
-// wave, preload_gemm_plan checks it). A warp (rg, kg) of the block's WR x WK warps holds RT
+// wave, plan_preload_gemm checks it). A warp (rg, kg) of the block's WR x WK warps holds RT
 // 16-row A tiles (rows rg RT 16 ..) over KC 32-wide k chunks (kg KC 32 ..). Lane (g, t) copies
 // the 16 bytes of rows g and g + 8 at k 8t .. 8t + 7 of each chunk into its own slots, and
 // reads back only those (no barrier; consecutive lanes, consecutive 16 bytes: no bank
