@@ -187,20 +187,20 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], unsigned a0, unsigned a1
 // its predecessor finishes, instead of being launched after it: in a CUDA graph that removes
 // most of the gap between two dependent kernels. Without the attribute both are no-ops, and a
 // kernel that ATen or cuBLAS launched before or after ours orders as usual.
-__device__ __forceinline__ void pdl_enter() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-// Only the second half of pdl_enter: lets the next kernel's blocks be scheduled before this
-// kernel waits for the one before it (a kernel that calls it must know that the next one reads,
-// before its own wait, nothing that the kernel before this one writes).
+// pdl_trigger alone (pdl_enter's second half) lets the next kernel's blocks be scheduled before
+// this kernel waits for the one before it: a kernel that calls it must know that the next one
+// reads, before its own wait, nothing that the kernel before this one writes.
 __device__ __forceinline__ void pdl_trigger() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
+}
+
+__device__ __forceinline__ void pdl_enter() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+  pdl_trigger();
 }
 
 // Whether launch() sets the attribute (set_programmatic_launch, from REFIT_PDL).
