@@ -206,34 +206,71 @@ __device__ __forceinline__ void pdl_enter() {
 // Whether launch() sets the attribute (set_programmatic_launch, from REFIT_PDL).
 inline std::atomic<bool> programmatic_launch{true};
 
-// launch_smem: with `smem` bytes of dynamic shared memory (past 48 KiB the kernel's opt-in
-// attribute is set first: a host-side call, allowed while a graph is captured).
-template <class... Params, class... Args>
-void launch_smem(const char* what, void (*kernel)(Params...), dim3 grid, dim3 block, int smem,
-                 cudaStream_t s, Args... args) {
-  if (smem > 48 * 1024) {
-    const cudaError_t e =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (e != cudaSuccess)
-      throw std::runtime_error(std::string("bf16 engine kernel ") + what + ": "
-                               + std::to_string(smem) + " bytes of shared memory: "
-                               + cudaGetErrorString(e));
-  }
+// `kernel` allowed `smem` bytes of dynamic shared memory: past 48 KiB its opt-in attribute is set
+// (a host-side call, allowed while a graph is captured).
+inline void allow_smem(const char* what, const void* kernel, int smem) {
+  if (smem <= 48 * 1024)
+    return;
+  const cudaError_t e =
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e != cudaSuccess)
+    throw std::runtime_error(std::string("bf16 engine kernel ") + what + ": "
+                             + std::to_string(smem) + " bytes of shared memory: "
+                             + cudaGetErrorString(e));
+}
+
+// The launch configuration of an engine kernel: programmatic stream serialization when
+// `programmatic`, thread-block clusters of `cluster` blocks along x when cluster > 1 (grid.x a
+// multiple of it); `attrs` holds the attributes the configuration points to.
+inline cudaLaunchConfig_t launch_config(dim3 grid, dim3 block, int smem, cudaStream_t s,
+                                        bool programmatic, int cluster,
+                                        cudaLaunchAttribute (&attrs)[2]) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = static_cast<size_t>(smem);
   config.stream = s;
-  cudaLaunchAttribute attribute = {};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attribute;
-  config.numAttrs = programmatic_launch.load(std::memory_order_relaxed) ? 1 : 0;
+  unsigned n = 0;
+  if (programmatic) {
+    attrs[n] = {};
+    attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
+  if (cluster > 1) {
+    attrs[n] = {};
+    attrs[n].id = cudaLaunchAttributeClusterDimension;
+    attrs[n].val.clusterDim.x = static_cast<unsigned>(cluster);
+    attrs[n].val.clusterDim.y = 1;
+    attrs[n].val.clusterDim.z = 1;
+    ++n;
+  }
+  config.attrs = attrs;
+  config.numAttrs = n;
+  return config;
+}
+
+// launch_cluster: with `smem` bytes of dynamic shared memory, in clusters of `cluster` blocks
+// (1: none), programmatic as set_programmatic_launch says; launch_smem: no clusters.
+template <class... Params, class... Args>
+void launch_cluster(const char* what, void (*kernel)(Params...), dim3 grid, dim3 block, int smem,
+                    int cluster, cudaStream_t s, Args... args) {
+  allow_smem(what, reinterpret_cast<const void*>(kernel), smem);
+  cudaLaunchAttribute attrs[2];
+  const cudaLaunchConfig_t config =
+    launch_config(grid, block, smem, s, programmatic_launch.load(std::memory_order_relaxed),
+                  cluster, attrs);
   const cudaError_t e = cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);
   if (e != cudaSuccess)
     throw std::runtime_error(std::string("bf16 engine kernel ") + what + ": "
                              + cudaGetErrorString(e));
   check(what);
+}
+
+template <class... Params, class... Args>
+void launch_smem(const char* what, void (*kernel)(Params...), dim3 grid, dim3 block, int smem,
+                 cudaStream_t s, Args... args) {
+  launch_cluster(what, kernel, grid, block, smem, 1, s, args...);
 }
 
 template <class... Params, class... Args>

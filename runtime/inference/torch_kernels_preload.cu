@@ -312,32 +312,10 @@ shape_facts facts(int shape, int token_tiles, int parts) {
   return f;
 }
 
-cudaLaunchConfig_t launch_config(const shape_facts& f, int split, int tiles, cudaStream_t s,
-                                 cudaLaunchAttribute (&attrs)[2], bool programmatic) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(split), static_cast<unsigned>(tiles));
-  config.blockDim = dim3(static_cast<unsigned>(f.threads));
-  config.dynamicSmemBytes = static_cast<size_t>(f.smem);
-  config.stream = s;
-  attrs[0] = {};
-  attrs[0].id = cudaLaunchAttributeClusterDimension;
-  attrs[0].val.clusterDim.x = static_cast<unsigned>(split);
-  attrs[0].val.clusterDim.y = 1;
-  attrs[0].val.clusterDim.z = 1;
-  attrs[1] = {};
-  attrs[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attrs[1].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attrs;
-  config.numAttrs = programmatic ? 2 : 1;
-  return config;
-}
-
-void allow_smem(const shape_facts& f) {
-  const cudaError_t e = cudaFuncSetAttribute(f.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             f.smem);
-  if (e != cudaSuccess)
-    throw std::runtime_error("bf16 engine kernel preload_gemm: " + std::to_string(f.smem)
-                             + " bytes of shared memory: " + cudaGetErrorString(e));
+// Whether `split` blocks a cluster can take the shape's tiles: 2, 4 or 8 (portable cluster
+// sizes), each block owning an even number of the tile's rows (written two at a time).
+bool split_usable(const shape_facts& f, int split) {
+  return (split == 2 || split == 4 || split == 8) && (f.tile_rows / split) % 2 == 0;
 }
 
 // Clusters of `split` blocks of this kernel that the current device holds at once, read once
@@ -357,9 +335,10 @@ int resident_clusters(int shape, int token_tiles, int parts, int split) {
       return c;
   }
   const shape_facts f = facts(shape, token_tiles, parts);
-  allow_smem(f);
+  allow_smem("preload_gemm", f.kernel, f.smem);
   cudaLaunchAttribute attrs[2];
-  const cudaLaunchConfig_t config = launch_config(f, split, split, nullptr, attrs, false);
+  const cudaLaunchConfig_t config = launch_config(
+    dim3(split, split), dim3(f.threads), f.smem, nullptr, /*programmatic=*/false, split, attrs);
   int clusters = 0;
   if (cudaOccupancyMaxActiveClusters(&clusters, f.kernel, &config) != cudaSuccess) {
     (void)cudaGetLastError();
@@ -377,8 +356,7 @@ bool shape_fits(int shape, int parts, int m, int n, int k, int split_wanted,
   if (f.kernel == nullptr || n % f.tile_rows != 0 || k % f.k_block != 0)
     return false;
   const int split = k / f.k_block;
-  if ((split != 2 && split != 4 && split != 8) || (split_wanted > 0 && split != split_wanted)
-      || (f.tile_rows / split) % 2 != 0)
+  if (!split_usable(f, split) || (split_wanted > 0 && split != split_wanted))
     return false;
   const int tiles = n / f.tile_rows;
   if (tiles > resident_clusters(shape, tt, parts, split)) // one wave, or the preload is moot
@@ -436,10 +414,11 @@ std::string preload_gemm_candidates(int m, int n, int k, bool two_parts) {
       continue;
     }
     const int split = k / f.k_block;
-    const bool usable = (split == 2 || split == 4 || split == 8) && (f.tile_rows / split) % 2 == 0;
     out += "split " + std::to_string(split) + ", " + std::to_string(n / f.tile_rows)
            + " clusters, the device holds "
-           + (usable ? std::to_string(resident_clusters(shape, tt, parts, split)) : "-") + "; ";
+           + (split_usable(f, split) ? std::to_string(resident_clusters(shape, tt, parts, split))
+                                     : "-")
+           + "; ";
   }
   return out;
 }
@@ -457,21 +436,14 @@ void preload_gemm(const preload_gemm_args& a, const preload_gemm_plan& plan, voi
   if (f.kernel == nullptr || plan.split < 1 || a.k != plan.split * f.k_block
       || a.n != plan.tiles * f.tile_rows)
     throw std::invalid_argument(what + ": not the plan's shape (plan_preload_gemm)");
-  allow_smem(f);
-  cudaLaunchAttribute attrs[2];
-  const cudaLaunchConfig_t config =
-    launch_config(f, plan.split, plan.tiles, as_stream(stream), attrs,
-                  programmatic_launch.load(std::memory_order_relaxed));
-  cudaError_t e = cudaErrorInvalidValue;
   with_kernel(plan.shape, plan.token_tiles, plan.parts, [&](auto s, auto mt, auto p) {
     using S = decltype(s);
-    e = cudaLaunchKernelEx(&config, preload_gemm_kernel<S, decltype(mt)::value, decltype(p)::value>,
-                           static_cast<const bf16*>(a.x), static_cast<const bf16*>(a.x_lo),
-                           static_cast<const bf16*>(a.w), a.y, a.y_f32, a.m, a.n, a.k);
+    launch_cluster("preload_gemm", preload_gemm_kernel<S, decltype(mt)::value, decltype(p)::value>,
+                   dim3(plan.split, plan.tiles), dim3(S::threads), f.smem, plan.split,
+                   as_stream(stream), static_cast<const bf16*>(a.x),
+                   static_cast<const bf16*>(a.x_lo), static_cast<const bf16*>(a.w), a.y, a.y_f32,
+                   a.m, a.n, a.k);
   });
-  if (e != cudaSuccess)
-    throw std::runtime_error("bf16 engine kernel preload_gemm: " + std::string(cudaGetErrorString(e)));
-  check("preload_gemm");
 }
 
 } // namespace refit::inference::kernels
