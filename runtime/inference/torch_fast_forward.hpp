@@ -225,11 +225,12 @@ private:
   // does not fit, no CUDA).
   at::Tensor dense_mma(const at::Tensor& x, const at::Tensor& w, bool f32,
                        std::int64_t max_rows = -1) const;
-  // kernels::preload_gemm for (x (+ lo)) [m, k] . w [n, k]^T, bf16 or fp32 out, where it is on
+  // kernels::preload_gemm for x [m, k] . w [n, k]^T, bf16 or fp32 out, where it is on
   // (REFIT_PRELOAD_GEMM), m is past dense_mma's rows and a plan fits the device in one wave;
-  // undefined otherwise. lo: the router's low part (REFIT_PRELOAD_GEMM=2).
+  // undefined otherwise. two_parts: x is the router's [2m, k] input, m high rows then m low rows,
+  // and y [m, n] their sum's product (REFIT_PRELOAD_GEMM=2).
   at::Tensor preload_linear(const at::Tensor& x, const at::Tensor& w, bool f32,
-                            const at::Tensor* lo = nullptr) const;
+                            bool two_parts = false) const;
 #if defined(REFIT_TORCH_CUDA)
   // expert_mma_args with the knobs' staging set (chunks, L2 policy, stages, early start): what
   // the expert projections and the dense mode share.

@@ -163,12 +163,10 @@ at::Tensor fast_rank_forward::experts(const layer_tensors& w, const at::Tensor& 
   if (router_in.defined() && router_in.scalar_type() == at::kFloat) {
     router_logits = at::matmul(router_in, w.router.to(at::kFloat).t());
   } else if (router_in.defined()) {
-    const at::Tensor hi = router_in.narrow(0, 0, n);
-    const at::Tensor lo = router_in.narrow(0, n, n);
     // Both parts into one sum on the preloading GEMM, else the 2n rows and the parts added by
     // the routing.
-    router_logits = 2 * n > router_mma_max_rows_ ? preload_linear(hi, w.router, true, &lo)
-                                                 : at::Tensor();
+    if (2 * n > router_mma_max_rows_)
+      router_logits = preload_linear(router_in, w.router, true, /*two_parts=*/true);
     if (!router_logits.defined()) {
       router_logits = linear_f32(router_in, w.router, router_mma_max_rows_).contiguous();
       two_parts = true;

@@ -48,21 +48,23 @@ at::Tensor fast_rank_forward::dense_mma(const at::Tensor& x, const at::Tensor& w
 }
 
 at::Tensor fast_rank_forward::preload_linear(const at::Tensor& x, const at::Tensor& w, bool f32,
-                                             const at::Tensor* lo) const {
+                                             bool two_parts) const {
 #if defined(REFIT_TORCH_CUDA)
-  const bool two_parts = lo != nullptr;
+  const std::int64_t rows = x.dim() == 2 ? x.size(0) / (two_parts ? 2 : 1) : 0;
   if (fused_ && preload_gemm_ >= (two_parts ? 2 : 1) && x.dim() == 2 && w.dim() == 2
-      && x.size(1) == w.size(1) && x.size(0) > dense_mma_max_rows_ && streamable(x)
-      && streamable(w)
-      && (!two_parts || (lo->sizes() == x.sizes() && streamable(*lo)))) {
-    const auto m = static_cast<int>(x.size(0));
+      && x.size(1) == w.size(1) && (!two_parts || x.size(0) % 2 == 0)
+      && rows > dense_mma_max_rows_ && streamable(x) && streamable(w)) {
+    const auto m = static_cast<int>(rows);
     const kernels::preload_gemm_plan plan = kernels::plan_preload_gemm(
       m, static_cast<int>(w.size(0)), static_cast<int>(w.size(1)), two_parts);
     if (plan.shape >= 0) {
-      at::Tensor y = at::empty({x.size(0), w.size(0)}, f32 ? f32_ : bf_);
+      at::Tensor y = at::empty({rows, w.size(0)}, f32 ? f32_ : bf_);
       kernels::preload_gemm_args a;
       a.x = x.data_ptr();
-      a.x_lo = two_parts ? lo->data_ptr() : nullptr;
+      // The low rows follow the high ones: x is contiguous (streamable) and each part starts 16-byte
+      // aligned (a plan's k is a multiple of 128).
+      a.x_lo = two_parts ? static_cast<const std::byte*>(x.data_ptr()) + rows * x.size(1) * 2
+                         : nullptr;
       a.w = w.data_ptr();
       a.y = y.data_ptr();
       a.m = m;
@@ -75,7 +77,7 @@ at::Tensor fast_rank_forward::preload_linear(const at::Tensor& x, const at::Tens
     }
   }
 #endif
-  (void)x, (void)w, (void)f32, (void)lo;
+  (void)x, (void)w, (void)f32, (void)two_parts;
   return {};
 }
 
