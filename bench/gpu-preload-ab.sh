@@ -9,6 +9,7 @@
 #   cuBLAS, qkv + o_proj, + the router, + the mix's early trigger) at BATCH (64); HF=0 skips
 #   HF; TESTS=0 skips the tests; TRACE="ENV=V,..." adds a CUPTI trace of the step under those
 #   knobs (bench/gpu-trace-decode.sh, into $OUT/trace/), e.g. TRACE=REFIT_PRELOAD_GEMM=2.
+#   RECIPE (configs/bench-generate-h200.yaml): another recipe, e.g. a smaller KV budget on an H100.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -18,7 +19,7 @@ HF=${HF:-1}
 TESTS=${TESTS:-1}
 LIMIT=${LIMIT:-300}
 VARIANTS=${VARIANTS:-"cublas:REFIT_PRELOAD_GEMM=0 preload:REFIT_PRELOAD_GEMM=1 router:REFIT_PRELOAD_GEMM=2 trigger:REFIT_PRELOAD_GEMM=2,REFIT_MIX_TRIGGER_EARLY=1"}
-RECIPE=configs/bench-generate-h200.yaml
+RECIPE=${RECIPE:-configs/bench-generate-h200.yaml}
 mkdir -p "$OUT"
 status=0
 
