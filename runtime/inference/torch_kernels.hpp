@@ -258,6 +258,10 @@ void preload_gemm_prepare();
 // Every compiled shape's fit for (m, n, k): its split, its clusters and the clusters the current
 // device holds at once (for a refusal's message, and the tests').
 std::string preload_gemm_candidates(int m, int n, int k, bool two_parts);
+// Clusters of `split` blocks of compiled shape `shape` at m rows (one or two parts) that the
+// current device holds at once (cudaOccupancyMaxActiveClusters); 0 where that kernel or split
+// does not exist. How the SMs are spread over GPCs decides it, not only their count.
+int preload_gemm_resident_clusters(int shape, int m, bool two_parts, int split);
 void preload_gemm(const preload_gemm_args& args, const preload_gemm_plan& plan, void* stream);
 
 // Sampling without top-k / top-p filters: out double [draws, 2] = (token, logprob) of draw d

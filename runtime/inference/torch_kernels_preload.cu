@@ -399,6 +399,17 @@ preload_gemm_plan plan_preload_gemm(int m, int n, int k, bool two_parts, int wan
   return plan;
 }
 
+int preload_gemm_resident_clusters(int shape, int m, bool two_parts, int split) {
+  if (shape < 0 || shape >= shape_count || m < 1 || m > preload_gemm_max_rows)
+    return 0;
+  const int parts = two_parts ? 2 : 1;
+  const int tt = token_tiles_for(m);
+  const shape_facts f = facts(shape, tt, parts);
+  if (f.kernel == nullptr || !split_usable(f, split))
+    return 0;
+  return resident_clusters(shape, tt, parts, split);
+}
+
 std::string preload_gemm_candidates(int m, int n, int k, bool two_parts) {
   std::string out;
   const int parts = two_parts ? 2 : 1;
