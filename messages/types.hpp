@@ -130,6 +130,7 @@ struct generation_stats {
   std::uint64_t peak_workspace_bytes = 0;
   std::uint64_t decode_steps_ahead = 0;  // pipelined decode: steps begun ahead of the last
   std::uint64_t decode_rows_dropped = 0; // rows of samples that had stopped (not tokens)
+  std::uint64_t preload_gemms = 0;       // dense projections run on the preloading GEMM
 };
 
 template <class Inspector>
@@ -139,7 +140,8 @@ typename Inspector::result_type inspect(Inspector& f, generation_stats& x) {
            x.decode_seconds, x.first_token_seconds, x.decode_steps, x.decode_tokens,
            x.decode_kv_positions, x.decode_expert_loads, x.expert_loads_counted,
            x.kv_bytes_per_position, x.max_live_samples, x.graph_replays, x.graph_captures,
-           x.peak_workspace_bytes, x.decode_steps_ahead, x.decode_rows_dropped);
+           x.peak_workspace_bytes, x.decode_steps_ahead, x.decode_rows_dropped,
+           x.preload_gemms);
 }
 
 struct generate_result {

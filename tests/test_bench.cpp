@@ -196,6 +196,7 @@ TEST(Bench, GenerateReportIsCompleteAndConsistent) {
       EXPECT_EQ(run["decode_tokens"].get<double>(), batch * steps);
       EXPECT_EQ(run["max_live_samples"].get<unsigned>(), batch) << "one admission, no stops";
       EXPECT_EQ(run["graph_replays"].get<unsigned>(), 0u) << "no CUDA graphs on the CPU";
+      EXPECT_EQ(run["preload_gemms"].get<unsigned>(), 0u) << "no preloading GEMM on the CPU";
       // Step k feeds position prompt + k - 1 of every sample and attends prompt + k positions.
       double kv = 0;
       for (unsigned k = 1; k < tokens; ++k)

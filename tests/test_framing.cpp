@@ -1390,6 +1390,7 @@ TEST(ProtocolConversions, GenerateStatsAndScoreRoundTrip) {
   st->set_peak_workspace_bytes(15);
   st->set_decode_steps_ahead(16);
   st->set_decode_rows_dropped(17);
+  st->set_preload_gemms(18);
   const auto r = protocol::from_proto(g).stats;
   EXPECT_EQ(r.prompt_tokens, 1u);
   EXPECT_EQ(r.computed_prompt_tokens, 2u);
@@ -1412,6 +1413,7 @@ TEST(ProtocolConversions, GenerateStatsAndScoreRoundTrip) {
   EXPECT_EQ(r.peak_workspace_bytes, 15u);
   EXPECT_EQ(r.decode_steps_ahead, 16u);
   EXPECT_EQ(r.decode_rows_dropped, 17u);
+  EXPECT_EQ(r.preload_gemms, 18u);
 
   const refit::score_request req{{{1, 2, 3}, {4, 5}}, 1};
   const pb::ScoreRequest p = protocol::to_proto(req);

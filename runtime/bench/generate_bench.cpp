@@ -300,7 +300,8 @@ json generate_bench::batch_report(std::uint32_t batch, const std::vector<measure
                 {"max_live_samples", st.max_live_samples},
                 {"graph_replays", st.graph_replays},
                 {"graph_captures", st.graph_captures},
-                {"peak_workspace_bytes", st.peak_workspace_bytes}};
+                {"peak_workspace_bytes", st.peak_workspace_bytes},
+                {"preload_gemms", st.preload_gemms}};
     if (st.decode_steps > 0 && st.decode_seconds > 0) {
       const double steps = double(st.decode_steps);
       const double tokens = st.decode_tokens / steps;

@@ -73,6 +73,7 @@ inline pb::GenerateStats to_proto(const inference::generate_stats& st) {
   out.set_peak_workspace_bytes(st.peak_workspace_bytes);
   out.set_decode_steps_ahead(st.decode_steps_ahead);
   out.set_decode_rows_dropped(st.decode_rows_dropped);
+  out.set_preload_gemms(st.preload_gemms);
   return out;
 }
 

@@ -197,6 +197,7 @@ generate_result from_proto(const pb::GenerateResult& x) {
   g.peak_workspace_bytes = st.peak_workspace_bytes();
   g.decode_steps_ahead = st.decode_steps_ahead();
   g.decode_rows_dropped = st.decode_rows_dropped();
+  g.preload_gemms = st.preload_gemms();
   return out;
 }
 

@@ -168,7 +168,9 @@ struct forward_counters {
   std::uint64_t decode_expert_loads = 0; // the same over decode forwards (one token per item)
   std::uint64_t peak_workspace_bytes = 0; // device memory the engine allocated beyond weights/KV
   bool counts_experts = false;            // the expert_loads fields are counted
-  std::uint64_t preload_gemms = 0; // dense projections launched or captured on the preloading GEMM
+  // Dense projections run on the preloading GEMM: launched eagerly, and a captured graph's own
+  // count at each of its replays (the capture itself runs none).
+  std::uint64_t preload_gemms = 0;
 };
 
 class rank_forward {

@@ -504,6 +504,7 @@ std::vector<generation> engine::generate(const std::vector<const std::byte*>& re
   st.graph_replays = after.graph_replays - before.graph_replays;
   st.graph_captures = after.graph_captures - before.graph_captures;
   st.peak_workspace_bytes = after.peak_workspace_bytes;
+  st.preload_gemms = after.preload_gemms - before.preload_gemms;
   st.expert_loads_counted = after.counts_experts;
   st.decode_expert_loads = after.decode_expert_loads - before.decode_expert_loads;
   st.prompts = plan.prompts.size();

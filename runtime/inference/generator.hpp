@@ -75,6 +75,7 @@ struct generate_stats {
   std::uint64_t graph_replays = 0;          // decode steps replayed from CUDA graphs
   std::uint64_t graph_captures = 0;
   std::uint64_t peak_workspace_bytes = 0;   // bf16 engine: device memory beyond weights + KV
+  std::uint64_t preload_gemms = 0;          // bf16 engine: projections on the preloading GEMM
 
   // Phases and traffic (refit-bench generate; filled by generator.cpp's phase_meter).
   double prefill_seconds = 0;      // prefill forwards + drawing each sample's first token

@@ -485,6 +485,7 @@ at::Tensor fast_rank_forward::run_graph(const std::vector<forward_item>& items, 
     const at::Tensor counted = expert_loads_.clone();
     model(slot->in, kv_base, nullptr, slot->picked, true);
     expert_loads_.copy_(counted);
+    const std::uint64_t launched = preload_gemms_;
     slot->graph.capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
     try {
       slot->logits = model(slot->in, kv_base, nullptr, slot->picked, true);
@@ -496,13 +497,17 @@ at::Tensor fast_rank_forward::run_graph(const std::vector<forward_item>& items, 
       } catch (...) {
       }
       graphs_.erase({batch, width});
+      preload_gemms_ = launched;
       throw;
     }
     slot->graph.capture_end();
     ++counters_.graph_captures;
+    slot->preload_gemms = preload_gemms_ - launched; // recorded, not run: counted at replays
+    preload_gemms_ = launched;
   }
   slot->graph.replay();
   ++counters_.graph_replays;
+  preload_gemms_ += slot->preload_gemms;
   return slot->logits.narrow(0, 0, real);
 #else
   return run_eager(items, kv_base, logits_rows::last_token, feed);

@@ -359,6 +359,7 @@ private:
     at::Tensor picked;
     at::Tensor logits; // the graph's output
     std::byte* kv_base = nullptr;
+    std::uint64_t preload_gemms = 0; // preloading-GEMM launches the graph holds
   };
 
   static std::size_t allocated_bytes_of(c10::DeviceIndex d) {

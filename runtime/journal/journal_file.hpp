@@ -14,7 +14,7 @@
 
 namespace refit::journal {
 
-constexpr std::uint32_t format_version = 6; // 2: rank_info.pid, publication_header.producer_pids;
+constexpr std::uint32_t format_version = 7; // 2: rank_info.pid, publication_header.producer_pids;
                                             // 3: rank_info.weight_source, publication_spec.tp /
                                             //    verify, rank_report.digest_terms
                                             // 4: generate_result.stats, score_request /
@@ -24,6 +24,7 @@ constexpr std::uint32_t format_version = 6; // 2: rank_info.pid, publication_hea
                                             //    engine's counters in generation_stats
                                             // 6: generation_stats.decode_steps_ahead /
                                             //    decode_rows_dropped (pipelined decode)
+                                            // 7: generation_stats.preload_gemms
 // Upper bound of one record (a rank report or chunk of a large model stays far below).
 constexpr std::uint64_t max_record_bytes = 64u << 20;
 
