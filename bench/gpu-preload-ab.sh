@@ -4,7 +4,7 @@
 # in the same lease, then HF transformers at batch 64 (issue 16's 10x target). One call:
 #   source .device/gpu-env.sh && bash .ci/gpu build && bash bench/gpu-preload-ab.sh
 # Writes $OUT/preload-tests.log, $OUT/ab-<variant>-<round>.json, $OUT/hf-generate.json and
-# prints one line per run (ms a decode step, tok/s, roofline ratio).
+# prints one line per run (ms a decode step, tok/s, roofline ratio, preloading-GEMM launches).
 #   ROUNDS (2) interleaved rounds of VARIANTS (space-separated "name:ENV=V,ENV2=V"; default:
 #   cuBLAS, qkv + o_proj, + the router, + the mix's early trigger) at BATCH (64); HF=0 skips
 #   HF; TESTS=0 skips the tests; TRACE="ENV=V,..." adds a CUPTI trace of the step under those
@@ -28,7 +28,8 @@ if [ "$TESTS" = 1 ]; then
   timeout 900 ctest --test-dir build-gpu -R 'GpuPreloadGemm|GpuEngine|GpuResidualKernels' \
     --output-on-failure \
     --timeout 300 > "$OUT/preload-tests.log" 2>&1 || status=1
-  grep -E "tests passed|Failed|\*\*\*|No tests were found" "$OUT/preload-tests.log" | tail -20
+  grep -E "tests passed|Failed|\*\*\*|No tests were found|resident clusters" \
+    "$OUT/preload-tests.log" | tail -20
   grep -q "No tests were found" "$OUT/preload-tests.log" && { echo "TESTS: NONE MATCHED"; status=1; }
 fi
 
@@ -50,8 +51,10 @@ except Exception as e:
 for b in r.get("batches", []):
     tok_s = b.get("decode_tok_s") or 0
     step_ms = 1000.0 * (b.get("decode_step_seconds") or float("nan"))
-    print("%-10s round %s batch %3d: %.3f ms a step, %.1f tok/s, roofline %s" % (
-        name, rnd, b["batch"], step_ms, tok_s, b.get("roofline_ratio")))
+    # Projections the preloading GEMM ran (0: none planned on this device, all on cuBLAS).
+    preloads = sum(run.get("preload_gemms", 0) for run in b.get("runs", []))
+    print("%-10s round %s batch %3d: %.3f ms a step, %.1f tok/s, roofline %s, preload GEMMs %d" % (
+        name, rnd, b["batch"], step_ms, tok_s, b.get("roofline_ratio"), preloads))
 PY
   done
 done
