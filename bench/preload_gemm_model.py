@@ -11,12 +11,12 @@
 import sys, random
 def run(RT, KC, WR, WK, NG, MT, PARTS, m, n, k, split):
     NT = WR*RT*16; KW = KC*32; KS = WK*KW; warps = WR*WK; threads = warps*32
-    assert k == KS*split and n % NT == 0
+    assert k == KS*split and n % 16 == 0  # a ragged last tile where NT does not divide n
     R = random.Random(1)
     mat = lambda a, b: [[R.randint(-4, 4) for _ in range(b)] for _ in range(a)]
     x = mat(m, k); xlo = mat(m, k); w = mat(n, k)
     y = [[None]*n for _ in range(m)]
-    tiles = n // NT
+    tiles = (n + NT - 1) // NT
     stride = NT + 4
     row_chunks = KS // 8
     for tile in range(tiles):
@@ -36,7 +36,7 @@ def run(RT, KC, WR, WK, NG, MT, PARTS, m, n, k, split):
                             c = grp*(KC//NG)+cc
                             for rt in range(RT):
                                 for h in range(2):
-                                    r = wrow_r + rt*16 + h*8; kk = wrow_k + c*32
+                                    r = min(wrow_r + rt*16 + h*8, n - 1); kk = wrow_k + c*32
                                     slot = ((c*RT+rt)*2+h)*32+lane
                                     assert 0 <= slot < RT*KC*2*32 and (warp, slot) not in wsl
                                     wsl[(warp, slot)] = w[r][kk:kk+8]
@@ -102,6 +102,8 @@ def run(RT, KC, WR, WK, NG, MT, PARTS, m, n, k, split):
         for rank in range(split):
             for e in range(m*(own//2)):
                 token = e // (own//2); row = rank*own + (e % (own//2))*2
+                if tile*NT + row >= n:
+                    continue  # a ragged tile's rows past n: not written
                 s = [0, 0]
                 for r in range(split):
                     for d in range(2): s[d] += partials[r][token*stride+row+d]
@@ -116,7 +118,7 @@ def run(RT, KC, WR, WK, NG, MT, PARTS, m, n, k, split):
             err = max(err, abs(y[i][j]-ref))
     print(RT, KC, WR, WK, NG, MT, PARTS, m, n, k, split, "max err", err)
     assert err == 0
-CASES = [  # RT, KC, WR, WK, NG, MT, PARTS, m, n, k, split: the kernel's six shapes
+CASES = [  # RT, KC, WR, WK, NG, MT, PARTS, m, n, k, split: the kernel's seven shapes, ragged too
     (2, 8, 5, 2, 4, 8, 1, 37, 160, 1024, 2),
     (4, 4, 2, 4, 4, 4, 1, 17, 256, 1024, 2),
     (4, 4, 2, 4, 4, 8, 1, 64, 128, 4096, 8),  # o_proj's k and cluster size
@@ -125,6 +127,9 @@ CASES = [  # RT, KC, WR, WK, NG, MT, PARTS, m, n, k, split: the kernel's six sha
     (1, 2, 2, 2, 1, 8, 1, 41, 96, 256, 2),
     (1, 1, 1, 4, 1, 4, 2, 23, 16, 512, 4),
     (2, 8, 10, 1, 4, 8, 1, 64, 320, 2048, 8),  # qkv's k in clusters of 8
+    (2, 8, 11, 1, 4, 8, 1, 64, 368, 2048, 8),  # shape 6, the last tile 336 rows short (16 of 352 live)
+    (2, 8, 5, 2, 4, 8, 1, 33, 336, 4096, 8),   # shape 0 ragged at o_proj's k (144 short)
+    (1, 2, 2, 2, 1, 4, 1, 19, 80, 512, 4),     # shape 3 ragged (16 short)
 ]
 SMEM_LIMIT = 232448  # bytes of dynamic shared memory a block may take on sm_90
 for RT, KC, WR, WK, NG, MT, PARTS, *_ in CASES:

@@ -4,8 +4,9 @@
 // tiles, bf16 and fp32 out, against a host fp64 reference over the same bf16 inputs; every
 // element written and the same bits run to run; two launches chained through a CUDA graph
 // (the second's early weight copies overlapping the first) equal to the same two launched
-// eagerly; after a mix that lets it start before the mix's wait, it reads the mix's output; the
-// model shapes planned on a full H200; bad shapes and plans refused by name.
+// eagerly; after a mix that lets it start before the mix's wait, it reads the mix's output;
+// ragged tilings (the last tile of rows partly past n) writing nothing past n; the model shapes
+// planned where the device holds their grid; bad shapes and plans refused by name.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -120,7 +121,9 @@ struct gemm_case {
 
 // Each shape at each cluster size (k / the shape's k a block) it can take with a few tiles of
 // rows: 0 (160 x 512), 1 (128 x 512), 2 (16 x 256, two parts), 3 (32 x 128), 4 (16 x 128, two
-// parts), 5 (320 x 256).
+// parts), 5 (320 x 256), 6 (352 x 256); and ragged, n not a multiple of the tile's rows (the
+// last tile 16 to 176 rows short, at every cluster size). The output buffer runs on past m x n,
+// and nothing may be written there.
 TEST(GpuPreloadGemm, MatchesTheHostReferenceForEveryShapeClusterSizeAndTokenCount) {
   REQUIRE_GPUS(1);
   int runs = 0;
@@ -132,7 +135,11 @@ TEST(GpuPreloadGemm, MatchesTheHostReferenceForEveryShapeClusterSizeAndTokenCoun
         gemm_case{3, 96, 256, false}, gemm_case{3, 64, 512, false},
         gemm_case{3, 32, 1024, false}, gemm_case{4, 16, 256, true}, gemm_case{4, 48, 512, true},
         gemm_case{4, 16, 1024, true}, gemm_case{5, 320, 512, false},
-        gemm_case{5, 640, 1024, false}, gemm_case{5, 320, 2048, false}}) {
+        gemm_case{5, 640, 1024, false}, gemm_case{5, 320, 2048, false},
+        gemm_case{6, 352, 512, false}, gemm_case{6, 704, 1024, false},
+        gemm_case{6, 368, 2048, false}, gemm_case{6, 528, 512, false},
+        gemm_case{0, 176, 1024, false}, gemm_case{0, 336, 4096, false},
+        gemm_case{1, 272, 2048, false}, gemm_case{3, 80, 512, false}}) {
     const auto w = random_bf16(static_cast<std::size_t>(c.n) * c.k, 17 + c.n + c.k,
                                1.0f / std::sqrt(float(c.k)));
     device_vec<std::uint16_t> d_w(w);
@@ -157,12 +164,17 @@ TEST(GpuPreloadGemm, MatchesTheHostReferenceForEveryShapeClusterSizeAndTokenCoun
         std::vector<std::uint32_t> first;
         for (int rep = 0; rep < 2; ++rep) {
           const std::size_t bytes = reference.size() * (f32 ? 4 : 2);
-          device_vec<std::uint8_t> d_y(bytes);
-          CUDA_OK(cudaMemset(d_y.p, 0xff, bytes));
+          constexpr std::size_t guard = 4096; // past m x n: a ragged tile's rows must not land
+          device_vec<std::uint8_t> d_y(bytes + guard);
+          CUDA_OK(cudaMemset(d_y.p, 0xff, bytes + guard));
           a.y = d_y.p;
           kernels::preload_gemm(a, plan, nullptr);
           CUDA_OK(cudaDeviceSynchronize()) << where;
           const output o = read_output(d_y, reference.size(), f32);
+          const auto raw = d_y.host();
+          EXPECT_TRUE(std::all_of(raw.begin() + static_cast<std::ptrdiff_t>(bytes), raw.end(),
+                                  [](std::uint8_t b) { return b == 0xff; }))
+            << "written past m x n, " << where;
           EXPECT_LT(worst_error(o, reference, f32, where), f32 ? 1e-4 : 0.02)
             << where << (f32 ? " fp32" : " bf16");
           if (rep == 0)
@@ -173,25 +185,29 @@ TEST(GpuPreloadGemm, MatchesTheHostReferenceForEveryShapeClusterSizeAndTokenCoun
       }
     }
   }
-  EXPECT_EQ(runs, 18 * 6 * 2);
+  EXPECT_EQ(runs, 26 * 6 * 2);
 }
 
 // Qwen3-30B-A3B's decode projections at batch 64: qkv in 32 clusters of 4 (shape 0), or where the
-// device does not hold 32 of those, 16 clusters of 8 (shape 5); o_proj in 16 clusters of 8
-// (shape 1); the router's two parts in 8 clusters of 8 (shape 2). Each only where the device holds
-// its grid in one wave by CUDA's count (cudaOccupancyMaxActiveClusters), and no plan otherwise
-// (the engine takes cuBLAS): how the SMs are spread over GPCs decides, not their number (two
-// 132-SM parts measured: an H200 held all of them; an H100 on 2026-12-05 held the router's
-// clusters but neither qkv grid nor o_proj's). More than 64 rows has no plan.
+// device does not hold 32 of those, 16 clusters of 8 (shape 5), or else 15 of 8 with the last
+// tile ragged (shape 6); o_proj in 16 clusters of 8 (shape 1), or else 13 ragged clusters of 8
+// of shape 0; the router's two parts in 8 clusters of 8 (shape 2). Each only where the device
+// holds its grid in one wave by CUDA's count (cudaOccupancyMaxActiveClusters), and no plan
+// otherwise (the engine takes cuBLAS): how the SMs are spread over GPCs decides, not their number
+// (measured on 132-SM parts: an H200 held 30 clusters of 4 and 15 of 8, an H100 no more, both 45
+// of the router's). More than 64 rows has no plan.
 TEST(GpuPreloadGemm, TheModelShapesArePlannedWhereTheDeviceHoldsOneWave) {
   REQUIRE_GPUS(1);
   const int qkv_by_4 = kernels::preload_gemm_resident_clusters(0, 64, false, 4);
   const int qkv_by_8 = kernels::preload_gemm_resident_clusters(5, 64, false, 8);
   const int o_proj_by_8 = kernels::preload_gemm_resident_clusters(1, 64, false, 8);
+  const int qkv_ragged_by_8 = kernels::preload_gemm_resident_clusters(6, 64, false, 8);
+  const int o_proj_ragged_by_8 = kernels::preload_gemm_resident_clusters(0, 64, false, 8);
   const int router_by_8 = kernels::preload_gemm_resident_clusters(2, 64, true, 8);
   std::cout << "[ measured ] resident clusters: qkv shape 0 of 4 " << qkv_by_4
             << ", qkv shape 5 of 8 " << qkv_by_8 << ", o_proj shape 1 of 8 " << o_proj_by_8
-            << ", router shape 2 of 8 " << router_by_8
+            << ", router shape 2 of 8 " << router_by_8 << ", qkv shape 6 of 8 " << qkv_ragged_by_8
+            << ", o_proj shape 0 of 8 " << o_proj_ragged_by_8
             << "\n[ measured ] qkv: " << kernels::preload_gemm_candidates(64, 5120, 2048, false)
             << "\n[ measured ] o_proj: " << kernels::preload_gemm_candidates(64, 2048, 4096, false)
             << "\n[ measured ] router: " << kernels::preload_gemm_candidates(64, 128, 2048, true)
@@ -201,12 +217,14 @@ TEST(GpuPreloadGemm, TheModelShapesArePlannedWhereTheDeviceHoldsOneWave) {
   EXPECT_GT(qkv_by_8, 0);
   EXPECT_GT(o_proj_by_8, 0);
   EXPECT_GT(router_by_8, 0);
+  EXPECT_GT(qkv_ragged_by_8, 0);
+  EXPECT_GT(o_proj_ragged_by_8, 0);
   // Shapes or splits that were not compiled have no count.
   EXPECT_EQ(kernels::preload_gemm_resident_clusters(0, 64, true, 4), 0);  // no two-part shape 0
   EXPECT_EQ(kernels::preload_gemm_resident_clusters(2, 64, false, 8), 0); // no one-part shape 2
   EXPECT_EQ(kernels::preload_gemm_resident_clusters(0, 64, false, 3), 0);
   EXPECT_EQ(kernels::preload_gemm_resident_clusters(0, 65, false, 4), 0);
-  EXPECT_EQ(kernels::preload_gemm_resident_clusters(6, 64, false, 4), 0);
+  EXPECT_EQ(kernels::preload_gemm_resident_clusters(7, 64, false, 4), 0); // no shape 7
 
   const auto expect_plan = [](const kernels::preload_gemm_plan& p, int shape, int split, int tiles,
                               const std::string& what) {
@@ -223,18 +241,28 @@ TEST(GpuPreloadGemm, TheModelShapesArePlannedWhereTheDeviceHoldsOneWave) {
     expect_plan(qkv, 0, 4, 32, "qkv, " + qkv_why);
   else if (qkv_by_8 >= 16)
     expect_plan(qkv, 5, 8, 16, "qkv, " + qkv_why);
+  else if (qkv_ragged_by_8 >= 15)
+    expect_plan(qkv, 6, 8, 15, "qkv, " + qkv_why);
   else
     expect_plan(qkv, -1, 0, 0, "qkv, " + qkv_why);
   // Each shape asked for alone: a plan exactly where its grid fits.
   EXPECT_EQ(kernels::plan_preload_gemm(64, 5120, 2048, false, 0).shape, qkv_by_4 >= 32 ? 0 : -1);
   EXPECT_EQ(kernels::plan_preload_gemm(64, 5120, 2048, false, 5).shape, qkv_by_8 >= 16 ? 5 : -1);
-  expect_plan(kernels::plan_preload_gemm(64, 2048, 4096, false), o_proj_by_8 >= 16 ? 1 : -1, 8, 16,
-              "o_proj, " + kernels::preload_gemm_candidates(64, 2048, 4096, false));
+  EXPECT_EQ(kernels::plan_preload_gemm(64, 5120, 2048, false, 6).shape,
+            qkv_ragged_by_8 >= 15 ? 6 : -1);
+  const std::string o_proj_why = kernels::preload_gemm_candidates(64, 2048, 4096, false);
+  const auto o_proj = kernels::plan_preload_gemm(64, 2048, 4096, false);
+  if (o_proj_by_8 >= 16)
+    expect_plan(o_proj, 1, 8, 16, "o_proj, " + o_proj_why);
+  else if (o_proj_ragged_by_8 >= 13)
+    expect_plan(o_proj, 0, 8, 13, "o_proj, " + o_proj_why);
+  else
+    expect_plan(o_proj, -1, 0, 0, "o_proj, " + o_proj_why);
   expect_plan(kernels::plan_preload_gemm(64, 128, 2048, true), router_by_8 >= 8 ? 2 : -1, 8, 8,
               "router, " + kernels::preload_gemm_candidates(64, 128, 2048, true));
   EXPECT_EQ(kernels::plan_preload_gemm(65, 5120, 2048, false).shape, -1);
   EXPECT_EQ(kernels::plan_preload_gemm(64, 5120, 2048, true).shape, -1); // no two-part qkv shape
-  EXPECT_EQ(kernels::plan_preload_gemm(64, 5000, 2048, false).shape, -1); // no tile divides n
+  EXPECT_EQ(kernels::plan_preload_gemm(64, 5000, 2048, false).shape, -1); // n not a multiple of 16
 }
 
 // y1 = x . w1^T (bf16), y2 = y1 . w2^T (fp32): the second launch reads the first's output after

@@ -231,8 +231,9 @@ void dense_mma(const expert_mma_args& args, int m, int ksplit, void* stream);
 // weight rows along k, one block an SM, their partial sums added in a fixed order through
 // distributed shared memory (the same bits run to run). plan_preload_gemm(m, n, k, two_parts,
 // wanted_shape) picks a compiled block shape that divides n and k into clusters of 2, 4 or 8
-// blocks and whose grid the current device holds in one wave (wanted_shape >= 0: that shape
-// only); shape < 0: none does (the caller takes another GEMM). m: 1..preload_gemm_max_rows.
+// blocks and whose grid the current device holds in one wave, or failing that one whose last
+// tile of rows is ragged (n a multiple of 16; wanted_shape >= 0: that shape only, either way);
+// shape < 0: none does (the caller takes another GEMM). m: 1..preload_gemm_max_rows.
 inline constexpr int preload_gemm_max_rows = 64;
 struct preload_gemm_args {
   const void* x = nullptr;

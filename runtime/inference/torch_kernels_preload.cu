@@ -52,16 +52,21 @@ struct preload_shape {
 // o_proj in 16 clusters of 8), 2 the router's two parts (16 x 256, 8 KiB: 8 clusters of 8);
 // 3 and 4, one and two parts at 32 x 128 and 16 x 128, for the small models of hidden size 256
 // to 1024 (the engine tests'); 5 (320 x 256, 160 KiB) the qkv in 16 clusters of 8, for a device
-// that holds 16 of those but not 32 clusters of 4 (how its SMs are spread over GPCs decides).
-// (10 warps of 4 A tiles each at 320 x 256 spilled registers at 64 rows: shape 5 has 10 warps of
-// 2 A tiles, each over the block's whole k.)
+// that holds 16 of those but not 32 clusters of 4 (how its SMs are spread over GPCs decides);
+// 6 (352 x 256, 176 KiB) the qkv in 15 clusters of 8, the last tile ragged, for a device that
+// holds neither (an H200 and an H100 held 30 clusters of 4 and 15 of 8, or fewer).
+// (10 warps of 4 A tiles each at 320 x 256 spilled registers at 64 rows: shapes 5 and 6 have 10
+// and 11 warps of 2 A tiles, each over the block's whole k.)
+// Ragged tiles: where no tile divides n (n a multiple of 16), the last tile's rows past n copy
+// row n - 1 (read, never written) and its outputs past n are not written.
 using shape0 = preload_shape<2, 8, 5, 2, 4>;
 using shape1 = preload_shape<4, 4, 2, 4, 4>;
 using shape2 = preload_shape<1, 1, 1, 8, 1>;
 using shape3 = preload_shape<1, 2, 2, 2, 1>;
 using shape4 = preload_shape<1, 1, 1, 4, 1>;
 using shape5 = preload_shape<2, 8, 10, 1, 4>;
-constexpr int shape_count = 6;
+using shape6 = preload_shape<2, 8, 11, 1, 4>;
+constexpr int shape_count = 7;
 
 // Floats of a token row in the partial sums: NT + 4, so that the lanes of a warp writing
 // rows g and tokens 2t fall in 32 different banks.
@@ -152,10 +157,17 @@ __global__ void __launch_bounds__(S::threads, 1)
   uint4* const tokens = reinterpret_cast<uint4*>(preload_smem) + S::weight_uint4s;
 
   // The weights, before the wait: chunk c of A tile rt, rows g (h 0) and g + 8 (h 1), at slot
-  // ((c RT + rt) 2 + h) 32 + lane; NG commit groups of KC / NG chunks each.
+  // ((c RT + rt) 2 + h) 32 + lane; NG commit groups of KC / NG chunks each. A ragged tile's
+  // rows past n read row n - 1 instead (their sums are never written).
   {
-    const bf16* wrow = w + static_cast<i64>(row0 + rg * S::RT * 16 + g) * k + k0 + kg * S::KW
-                       + 8 * t;
+    const bf16* wrows[S::RT][2];
+#pragma unroll
+    for (int rt = 0; rt < S::RT; ++rt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = min(row0 + (rg * S::RT + rt) * 16 + h * 8 + g, n - 1);
+        wrows[rt][h] = w + static_cast<i64>(row) * k + k0 + kg * S::KW + 8 * t;
+      }
 #pragma unroll
     for (int grp = 0; grp < S::NG; ++grp) {
 #pragma unroll
@@ -165,8 +177,7 @@ __global__ void __launch_bounds__(S::threads, 1)
         for (int rt = 0; rt < S::RT; ++rt)
 #pragma unroll
           for (int h = 0; h < 2; ++h)
-            copy16(wslots + ((c * S::RT + rt) * 2 + h) * 32 + lane,
-                   wrow + static_cast<i64>(rt * 16 + h * 8) * k + c * 32);
+            copy16(wslots + ((c * S::RT + rt) * 2 + h) * 32 + lane, wrows[rt][h] + c * 32);
       }
       asm volatile("cp.async.commit_group;" ::: "memory");
     }
@@ -242,11 +253,14 @@ __global__ void __launch_bounds__(S::threads, 1)
     }
   }
   cluster.sync(); // every block's sum is in its partial[0]
-  // This block's rows of the tile: the cluster's sums in rank order, two rows at a time.
+  // This block's rows of the tile: the cluster's sums in rank order, two rows at a time (none
+  // past n: n is even).
   const int own = S::NT / split;
   for (int e = threadIdx.x; e < m * (own / 2); e += S::threads) {
     const int token = e / (own / 2);
     const int row = rank * own + (e % (own / 2)) * 2;
+    if (row0 + row >= n)
+      continue;
     float2 s = make_float2(0.0f, 0.0f);
     for (int r = 0; r < split; ++r) {
       const float* peer = cluster.map_shared_rank(partial, r);
@@ -286,6 +300,7 @@ bool with_kernel(int shape, int token_tiles, int parts, F&& f) {
     case 3: return parts == 1 && by_tiles(shape3{}, one);
     case 4: return parts == 2 && by_tiles(shape4{}, std::integral_constant<int, 2>{});
     case 5: return parts == 1 && by_tiles(shape5{}, one);
+    case 6: return parts == 1 && by_tiles(shape6{}, one);
   }
   return false;
 }
@@ -349,16 +364,26 @@ int resident_clusters(int shape, int token_tiles, int parts, int split) {
   return clusters;
 }
 
-bool shape_fits(int shape, int parts, int m, int n, int k, int split_wanted,
+// Tiles of `tile_rows` over n rows: exact where they divide n; ragged (the last tile partly past
+// n) only where allowed and n is a multiple of 16; 0 where neither.
+int tiles_over(int n, int tile_rows, bool ragged) {
+  if (n % tile_rows == 0)
+    return n / tile_rows;
+  return ragged && n % 16 == 0 ? (n + tile_rows - 1) / tile_rows : 0;
+}
+
+bool shape_fits(int shape, int parts, int m, int n, int k, int split_wanted, bool ragged,
                 preload_gemm_plan& plan) {
   const int tt = token_tiles_for(m);
   const shape_facts f = facts(shape, tt, parts);
-  if (f.kernel == nullptr || n % f.tile_rows != 0 || k % f.k_block != 0)
+  if (f.kernel == nullptr || k % f.k_block != 0)
+    return false;
+  const int tiles = tiles_over(n, f.tile_rows, ragged);
+  if (tiles == 0)
     return false;
   const int split = k / f.k_block;
   if (!split_usable(f, split) || (split_wanted > 0 && split != split_wanted))
     return false;
-  const int tiles = n / f.tile_rows;
   if (tiles > resident_clusters(shape, tt, parts, split)) // one wave, or the preload is moot
     return false;
   plan.shape = shape;
@@ -387,15 +412,17 @@ preload_gemm_plan plan_preload_gemm(int m, int n, int k, bool two_parts, int wan
   const int parts = two_parts ? 2 : 1;
   if (wanted_shape >= 0) {
     if (wanted_shape < shape_count)
-      shape_fits(wanted_shape, parts, m, n, k, 0, plan);
+      shape_fits(wanted_shape, parts, m, n, k, 0, /*ragged=*/true, plan);
     return plan;
   }
   // The fewest blocks a cluster (the least distributed-memory traffic) among the shapes that
-  // divide the projection and fit in one wave.
-  for (const int split : {2, 4, 8})
-    for (int shape = 0; shape < shape_count; ++shape)
-      if (shape_fits(shape, parts, m, n, k, split, plan))
-        return plan;
+  // divide the projection and fit in one wave; failing those, the same among ragged tilings
+  // (copies of rows past n are the waste).
+  for (const bool ragged : {false, true})
+    for (const int split : {2, 4, 8})
+      for (int shape = 0; shape < shape_count; ++shape)
+        if (shape_fits(shape, parts, m, n, k, split, ragged, plan))
+          return plan;
   return plan;
 }
 
@@ -420,13 +447,14 @@ std::string preload_gemm_candidates(int m, int n, int k, bool two_parts) {
       continue;
     out += "shape " + std::to_string(shape) + " (" + std::to_string(f.tile_rows) + " x "
            + std::to_string(f.k_block) + "): ";
-    if (n % f.tile_rows != 0 || k % f.k_block != 0) {
+    const int tiles = tiles_over(n, f.tile_rows, true);
+    if (tiles == 0 || k % f.k_block != 0) {
       out += "does not divide; ";
       continue;
     }
     const int split = k / f.k_block;
-    out += "split " + std::to_string(split) + ", " + std::to_string(n / f.tile_rows)
-           + " clusters, the device holds "
+    out += "split " + std::to_string(split) + ", " + std::to_string(tiles)
+           + (n % f.tile_rows != 0 ? " ragged" : "") + " clusters, the device holds "
            + (split_usable(f, split) ? std::to_string(resident_clusters(shape, tt, parts, split))
                                      : "-")
            + "; ";
@@ -445,7 +473,7 @@ void preload_gemm(const preload_gemm_args& a, const preload_gemm_plan& plan, voi
                                 + std::to_string(plan.token_tiles * 8));
   const shape_facts f = facts(plan.shape, plan.token_tiles, plan.parts);
   if (f.kernel == nullptr || plan.split < 1 || a.k != plan.split * f.k_block
-      || a.n != plan.tiles * f.tile_rows)
+      || plan.tiles != tiles_over(a.n, f.tile_rows, true))
     throw std::invalid_argument(what + ": not the plan's shape (plan_preload_gemm)");
   with_kernel(plan.shape, plan.token_tiles, plan.parts, [&](auto s, auto mt, auto p) {
     using S = decltype(s);
