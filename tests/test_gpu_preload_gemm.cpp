@@ -61,8 +61,8 @@ struct output {
   std::vector<std::uint32_t> bits;
 };
 
-output read_output(const device_vec<std::uint8_t>& d_y, std::size_t elements, bool f32) {
-  const auto raw = d_y.host();
+// The first `elements` of the output's bytes as copied to the host.
+output read_output(const std::vector<std::uint8_t>& raw, std::size_t elements, bool f32) {
   output o;
   o.values.resize(elements);
   o.bits.resize(elements);
@@ -170,8 +170,8 @@ TEST(GpuPreloadGemm, MatchesTheHostReferenceForEveryShapeClusterSizeAndTokenCoun
           a.y = d_y.p;
           kernels::preload_gemm(a, plan, nullptr);
           CUDA_OK(cudaDeviceSynchronize()) << where;
-          const output o = read_output(d_y, reference.size(), f32);
           const auto raw = d_y.host();
+          const output o = read_output(raw, reference.size(), f32);
           EXPECT_TRUE(std::all_of(raw.begin() + static_cast<std::ptrdiff_t>(bytes), raw.end(),
                                   [](std::uint8_t b) { return b == 0xff; }))
             << "written past m x n, " << where;
@@ -307,8 +307,8 @@ TEST(GpuPreloadGemm, TwoChainedLaunchesInACudaGraphEqualTheEagerOnes) {
   for (int i = 0; i < 3; ++i)
     CUDA_OK(cudaGraphLaunch(exec, s));
   CUDA_OK(cudaStreamSynchronize(s));
-  const output e = read_output(eager, static_cast<std::size_t>(m) * n2, true);
-  const output r = read_output(replayed, static_cast<std::size_t>(m) * n2, true);
+  const output e = read_output(eager.host(), static_cast<std::size_t>(m) * n2, true);
+  const output r = read_output(replayed.host(), static_cast<std::size_t>(m) * n2, true);
   EXPECT_EQ(d_y1.host(), y1_eager) << "the first projection differs in the graph";
   EXPECT_EQ(r.bits, e.bits) << "the graph's chained launches differ from the eager ones";
   // The second against a host reference over the first's bf16 output.
@@ -372,7 +372,7 @@ TEST(GpuPreloadGemm, AfterAMixThatTriggersEarlyItReadsTheMixOutput) {
     CUDA_OK(cudaGraphLaunch(exec, s));
     CUDA_OK(cudaStreamSynchronize(s));
     const auto normed = d_normed.host();
-    const output o = read_output(d_out, static_cast<std::size_t>(n) * rows, false);
+    const output o = read_output(d_out.host(), static_cast<std::size_t>(n) * rows, false);
     EXPECT_LT(worst_error(o, host_gemm(normed, nullptr, w, n, rows, h), false, where), 0.02)
       << where;
     if (rep == 0)
