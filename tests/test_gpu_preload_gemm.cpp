@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <iostream>
 #include <numeric>
 #include <random>
@@ -226,40 +227,35 @@ TEST(GpuPreloadGemm, TheModelShapesArePlannedWhereTheDeviceHoldsOneWave) {
   EXPECT_EQ(kernels::preload_gemm_resident_clusters(0, 65, false, 4), 0);
   EXPECT_EQ(kernels::preload_gemm_resident_clusters(7, 64, false, 4), 0); // no shape 7
 
-  const auto expect_plan = [](const kernels::preload_gemm_plan& p, int shape, int split, int tiles,
-                              const std::string& what) {
-    EXPECT_EQ(p.shape, shape) << what;
-    if (shape < 0)
-      return;
-    EXPECT_EQ(p.split, split) << what;
-    EXPECT_EQ(p.tiles, tiles) << what;
-    EXPECT_EQ(p.token_tiles, 8) << what;
+  // A projection's tilings in the planner's order of preference, each with the clusters the
+  // device holds of it: the plan is the first whose tiles (one cluster each) fit, or none.
+  struct tiling {
+    int held, shape, split, tiles;
   };
-  const std::string qkv_why = kernels::preload_gemm_candidates(64, 5120, 2048, false);
-  const auto qkv = kernels::plan_preload_gemm(64, 5120, 2048, false);
-  if (qkv_by_4 >= 32)
-    expect_plan(qkv, 0, 4, 32, "qkv, " + qkv_why);
-  else if (qkv_by_8 >= 16)
-    expect_plan(qkv, 5, 8, 16, "qkv, " + qkv_why);
-  else if (qkv_ragged_by_8 >= 15)
-    expect_plan(qkv, 6, 8, 15, "qkv, " + qkv_why);
-  else
-    expect_plan(qkv, -1, 0, 0, "qkv, " + qkv_why);
+  const auto expect_first_fit = [](const std::string& name, int n, int k, bool two_parts,
+                                   std::initializer_list<tiling> preferred) {
+    const auto p = kernels::plan_preload_gemm(64, n, k, two_parts);
+    const std::string what = name + ", " + kernels::preload_gemm_candidates(64, n, k, two_parts);
+    for (const tiling& t : preferred)
+      if (t.held >= t.tiles) {
+        EXPECT_EQ(p.shape, t.shape) << what;
+        EXPECT_EQ(p.split, t.split) << what;
+        EXPECT_EQ(p.tiles, t.tiles) << what;
+        EXPECT_EQ(p.token_tiles, 8) << what;
+        return;
+      }
+    EXPECT_EQ(p.shape, -1) << what;
+  };
+  expect_first_fit("qkv", 5120, 2048, false,
+                   {{qkv_by_4, 0, 4, 32}, {qkv_by_8, 5, 8, 16}, {qkv_ragged_by_8, 6, 8, 15}});
   // Each shape asked for alone: a plan exactly where its grid fits.
   EXPECT_EQ(kernels::plan_preload_gemm(64, 5120, 2048, false, 0).shape, qkv_by_4 >= 32 ? 0 : -1);
   EXPECT_EQ(kernels::plan_preload_gemm(64, 5120, 2048, false, 5).shape, qkv_by_8 >= 16 ? 5 : -1);
   EXPECT_EQ(kernels::plan_preload_gemm(64, 5120, 2048, false, 6).shape,
             qkv_ragged_by_8 >= 15 ? 6 : -1);
-  const std::string o_proj_why = kernels::preload_gemm_candidates(64, 2048, 4096, false);
-  const auto o_proj = kernels::plan_preload_gemm(64, 2048, 4096, false);
-  if (o_proj_by_8 >= 16)
-    expect_plan(o_proj, 1, 8, 16, "o_proj, " + o_proj_why);
-  else if (o_proj_ragged_by_8 >= 13)
-    expect_plan(o_proj, 0, 8, 13, "o_proj, " + o_proj_why);
-  else
-    expect_plan(o_proj, -1, 0, 0, "o_proj, " + o_proj_why);
-  expect_plan(kernels::plan_preload_gemm(64, 128, 2048, true), router_by_8 >= 8 ? 2 : -1, 8, 8,
-              "router, " + kernels::preload_gemm_candidates(64, 128, 2048, true));
+  expect_first_fit("o_proj", 2048, 4096, false,
+                   {{o_proj_by_8, 1, 8, 16}, {o_proj_ragged_by_8, 0, 8, 13}});
+  expect_first_fit("router", 128, 2048, true, {{router_by_8, 2, 8, 8}});
   EXPECT_EQ(kernels::plan_preload_gemm(65, 5120, 2048, false).shape, -1);
   EXPECT_EQ(kernels::plan_preload_gemm(64, 5120, 2048, true).shape, -1); // no two-part qkv shape
   EXPECT_EQ(kernels::plan_preload_gemm(64, 5000, 2048, false).shape, -1); // n not a multiple of 16
