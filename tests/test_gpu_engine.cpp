@@ -184,6 +184,61 @@ TEST(GpuEngine, TheEarlyMixGivesTheSameLogitsBitwise) {
   EXPECT_EQ(differ, 0u) << "of " << got.size() << " logits";
 }
 
+// The gate_up -> down dataflow (REFIT_EXPERT_FLOW: down waits per expert on gate_up's counted
+// tiles) over 20 sequences: a prefill of 4 tokens each (80 rows) and 4 decode steps of 20 rows
+// (CUDA graphs), both on the resident-warp expert kernels with gate_up sorting: the same logits
+// as without it, bit for bit, and the dataflow counted in every layer of every forward.
+TEST(GpuEngine, TheExpertDataflowGivesTheSameLogitsBitwise) {
+  REQUIRE_GPU();
+  const auto cfg = refit::testing::small_model();
+  const auto w = engine_synthetic(cfg);
+  constexpr std::uint32_t seqs = 20, prompt = 4, steps = 4, per_seq = 2, block = 8;
+  const env_vars experts = {{"REFIT_EXPERT_MMA_PERSISTENT", "1"},
+                            {"REFIT_EXPERT_MMA_KSPLIT", "1"},
+                            {"REFIT_EXPERT_GEMV_MAX_COPIES", "0"},
+                            {"REFIT_EXPERT_MMA_MAX_COPIES", "4096"}};
+  gpu_memory mem;
+  const auto run = [&](bool flow, inf::forward_counters& c) {
+    env_vars knobs = experts;
+    knobs.emplace_back("REFIT_EXPERT_FLOW", flow ? "1" : "0");
+    const scoped_env env(knobs);
+    auto rig = gpu_rig(mem, cfg, w, model::dtype::bfloat16, block, seqs * per_seq, true, true);
+    std::vector<std::vector<std::uint32_t>> tables(seqs);
+    std::vector<std::vector<std::int32_t>> tokens(seqs);
+    for (std::uint32_t i = 0; i < seqs; ++i) {
+      for (std::uint32_t b = 0; b < per_seq; ++b)
+        tables[i].push_back(i * per_seq + b);
+      tokens[i] = engine_prompt(prompt + steps, static_cast<std::int32_t>(i), 512);
+    }
+    std::vector<float> logits;
+    for (std::uint32_t step = 0; step <= steps; ++step) { // step 0: the prefill
+      std::vector<inf::forward_item> items;
+      for (std::uint32_t i = 0; i < seqs; ++i)
+        items.push_back({tables[i].data(), per_seq, step == 0 ? 0 : prompt + step - 1,
+                         tokens[i].data() + (step == 0 ? 0 : prompt + step - 1),
+                         step == 0 ? prompt : 1});
+      const auto rows = rig.forward->forward(items, rig.arena, inf::logits_rows::last_token);
+      logits.insert(logits.end(), rows.begin(), rows.end());
+    }
+    c = rig.forward->counters();
+    return logits;
+  };
+  inf::forward_counters plain_counts, flow_counts;
+  const std::vector<float> want = run(false, plain_counts);
+  const std::vector<float> got = run(true, flow_counts);
+  ASSERT_EQ(got.size(), std::size_t{seqs} * (steps + 1) * cfg.vocab_size);
+  ASSERT_EQ(got.size(), want.size());
+  std::size_t differ = 0;
+  for (std::size_t i = 0; i < got.size(); ++i)
+    differ += got[i] != want[i] ? 1 : 0;
+  EXPECT_EQ(differ, 0u) << "of " << got.size() << " logits";
+  EXPECT_EQ(plain_counts.expert_flows, 0u);
+  // The prefill, the decode graph's warm-up, and every replay of it, in every layer.
+  EXPECT_GT(flow_counts.graph_replays, 0u);
+  EXPECT_GE(flow_counts.expert_flows,
+            (2 + flow_counts.graph_replays) * std::uint64_t{cfg.num_hidden_layers});
+}
+
 TEST(GpuEngine, Bf16LogitsTrackTheFp32ReferenceAndTheCpuEngine) {
   REQUIRE_GPU();
   const auto cfg = refit::testing::tiny_model();

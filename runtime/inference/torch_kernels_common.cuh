@@ -196,10 +196,15 @@ __device__ __forceinline__ void pdl_trigger() {
 #endif
 }
 
-__device__ __forceinline__ void pdl_enter() {
+// pdl_enter's first half alone: wait for the kernel before (and through it, every earlier one).
+__device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+}
+
+__device__ __forceinline__ void pdl_enter() {
+  pdl_wait();
   pdl_trigger();
 }
 
