@@ -39,37 +39,51 @@ namespace {
 // 0 writes every expert's count and end offset and adds the non-empty experts to the loads,
 // the warp at an expert's tile 0 writes its copies' inverse.
 //
-// Dataflow (FLOW: expert_flow_args, torch_kernels.hpp). gate_up: after an item's last pass each
-// lane fences its activations, the warp meets, and lane 0 adds the tile to its expert's counter
-// and to the count of all tiles (release). down: its blocks run while gate_up's last ones still
-// do, so it does not wait for gate_up's grid at its start; each block counts the routed ids
-// itself (as gate_up's sort does, from the ids route wrote: complete, since every gate_up block
-// waited for route before down could launch), every lane waits (acquire) on an expert's
-// counter before its first pass over it, and x's rows come through coherent loads. A warp
-// waits for gate_up's grid and lets the kernel after it launch at the first expert after the
-// count of all tiles is complete, or at its end; the last block to finish resets the counters.
+// Dataflow (FLOW: expert_flow_args, torch_kernels.hpp). gate_up: after an item's last pass the
+// warp meets and lane 0 adds the tile to the count of all tiles and to its expert's counter
+// after one release fence. down: its blocks run while gate_up's last ones still do, so it does
+// not wait for gate_up's grid at its start; each block counts the routed ids itself (as
+// gate_up's sort does, from the ids route wrote: complete, since every gate_up block waited for
+// route before down could launch), and x's rows come through coherent loads. At a new expert,
+// a warp that finds the count of all tiles complete acquires it (every activation is visible),
+// waits for gate_up's grid and lets the kernel after it launch, once; before that, every lane
+// waits on the expert's counter (polled, then acquired). A warp that never found it waits for
+// gate_up's grid at its end; the last block to finish resets the counters.
 __device__ __forceinline__ int load_acquire(const int* p) {
   int v;
   asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
 
-__device__ __forceinline__ void add_release(int* p, int v) {
-  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+__device__ __forceinline__ int load_relaxed(const int* p) {
+  int v;
+  asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
 }
 
-// Until *p >= want; a trap past ~4 s (a dataflow that cannot complete is a bug: fail-stop).
+__device__ __forceinline__ void fence_release() {
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+}
+
+__device__ __forceinline__ void add_relaxed(int* p, int v) {
+  asm volatile("red.relaxed.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// Until *p >= want, polled without acquiring (an acquire invalidates the SM's L1, which the
+// blocks beside this one read their token rows from), then acquired once; a trap past ~4 s (a
+// dataflow that cannot complete is a bug: fail-stop).
 __device__ __forceinline__ void wait_at_least(const int* p, int want) {
-  if (load_acquire(p) >= want)
-    return;
-  unsigned long long t0, t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-  while (load_acquire(p) < want) {
-    __nanosleep(256);
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    if (t - t0 > 4000000000ull)
-      __trap();
+  if (load_relaxed(p) < want) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    while (load_relaxed(p) < want) {
+      __nanosleep(256);
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+      if (t - t0 > 4000000000ull)
+        __trap();
+    }
   }
+  (void)load_acquire(p);
 }
 
 template <int CH, bool GLU, int TT, int S, bool FLOW>
@@ -245,11 +259,14 @@ __global__ void __launch_bounds__(mma_warps * 32, 2)
     const int tile = i - e * tiles_per_expert;
     const int count = count_of(e);
     const i64 first = self_sorted ? s_less[e] : offsets[e] - count; // e's first sorted position
-    if (flow_down && e != listed) { // gate_up's tiles of e are written
-      wait_at_least(fl.counters + e, fl.gate_tiles);
+    if (flow_down && !waited && e != listed) { // gate_up's tiles of e are written
       listed = e;
-      if (!waited && load_acquire(fl.counters + experts) >= s_used * fl.gate_tiles)
-        wait_for_gate_up(); // all of gate_up's tiles are in: its grid is ending
+      if (load_relaxed(fl.counters + experts) >= s_used * fl.gate_tiles) {
+        (void)load_acquire(fl.counters + experts); // every activation is visible
+        wait_for_gate_up(); // gate_up's grid is ending: no more waits here
+      }
+      else
+        wait_at_least(fl.counters + e, fl.gate_tiles);
     }
     if (self_listed && e != listed) { // e's copies in flat order
       int n = 0;
@@ -289,11 +306,11 @@ __global__ void __launch_bounds__(mma_warps * 32, 2)
                           y_out, y_f32);
     }
     if constexpr (FLOW && GLU) { // the tile's activations are written: count it
-      __threadfence();
-      __syncwarp();
-      if (lane == 0) { // the count of all first: whoever sees every expert's count sees it
-        add_release(fl.counters + experts, 1);
-        add_release(fl.counters + e, 1);
+      __syncwarp(); // the lanes' writes ordered before lane 0's release (cumulative)
+      if (lane == 0) { // one release for both counters (a fence, then relaxed adds)
+        fence_release();
+        add_relaxed(fl.counters + experts, 1);
+        add_relaxed(fl.counters + e, 1);
       }
     }
   }
