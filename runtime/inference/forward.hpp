@@ -171,9 +171,6 @@ struct forward_counters {
   // Dense projections run on the preloading GEMM: launched eagerly, and a captured graph's own
   // count at each of its replays (the capture itself runs none).
   std::uint64_t preload_gemms = 0;
-  // Decode / prefill MoE layers whose down projection waited per expert on gate_up
-  // (REFIT_EXPERT_FLOW), counted the same way.
-  std::uint64_t expert_flows = 0;
 };
 
 class rank_forward {

@@ -108,10 +108,6 @@ fast_rank_forward::fast_rank_forward(const rank_forward_options& o)
   mma_early_ = choice_knob("REFIT_EXPERT_MMA_EARLY", {"0", "1"}, mma_early_);
   mma_persistent_ = choice_knob("REFIT_EXPERT_MMA_PERSISTENT", {"0", "1", "2"}, mma_persistent_);
   expert_self_sort_ = choice_knob("REFIT_EXPERT_SELF_SORT", {"0", "1"}, expert_self_sort_);
-  expert_flow_ = choice_knob("REFIT_EXPERT_FLOW", {"0", "1"}, expert_flow_);
-  if (fused_ && expert_flow_ != 0) // (under the inference mode and device guard above)
-    expert_flow_counters_ =
-      at::zeros({experts_ + 2}, at::TensorOptions().dtype(at::kInt).device(device_));
   route_bucket_max_tokens_ = count_knob("REFIT_ROUTE_BUCKET_MAX_TOKENS", route_bucket_max_tokens_,
                                         "tokens", 256); // kernels::route_bucket_max_tokens
   fused_sampling_ = choice_knob("REFIT_FUSED_SAMPLING", {"0", "1"}, fused_sampling_);
@@ -153,8 +149,7 @@ std::vector<float> fast_rank_forward::forward(const std::vector<forward_item>& i
 forward_counters fast_rank_forward::counters() const {
   forward_counters c = counters_;
   c.counts_experts = true;
-  c.preload_gemms = launches_.preload_gemms;
-  c.expert_flows = launches_.expert_flows;
+  c.preload_gemms = preload_gemms_;
   scope s(*this);
   const at::Tensor loads = expert_loads_.cpu();
   c.expert_loads = static_cast<std::uint64_t>(loads[0].item<std::int64_t>());
@@ -490,7 +485,7 @@ at::Tensor fast_rank_forward::run_graph(const std::vector<forward_item>& items, 
     const at::Tensor counted = expert_loads_.clone();
     model(slot->in, kv_base, nullptr, slot->picked, true);
     expert_loads_.copy_(counted);
-    const path_launches launched = launches_;
+    const std::uint64_t launched = preload_gemms_;
     slot->graph.capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
     try {
       slot->logits = model(slot->in, kv_base, nullptr, slot->picked, true);
@@ -502,17 +497,17 @@ at::Tensor fast_rank_forward::run_graph(const std::vector<forward_item>& items, 
       } catch (...) {
       }
       graphs_.erase({batch, width});
-      launches_ = launched;
+      preload_gemms_ = launched;
       throw;
     }
     slot->graph.capture_end();
     ++counters_.graph_captures;
-    slot->launches = launches_ - launched; // recorded, not run: counted at replays
-    launches_ = launched;
+    slot->preload_gemms = preload_gemms_ - launched; // recorded, not run: counted at replays
+    preload_gemms_ = launched;
   }
   slot->graph.replay();
   ++counters_.graph_replays;
-  launches_ += slot->launches;
+  preload_gemms_ += slot->preload_gemms;
   return slot->logits.narrow(0, 0, real);
 #else
   return run_eager(items, kv_base, logits_rows::last_token, feed);

@@ -351,18 +351,6 @@ private:
   void apply_feed(const at::Tensor& tokens, const std::vector<std::int64_t>& feed,
                   std::int64_t rows) const;
 
-  // Launches of the paths that forward_counters counts (preload_gemms, expert_flows).
-  struct path_launches {
-    std::uint64_t preload_gemms = 0, expert_flows = 0;
-    path_launches operator-(const path_launches& o) const {
-      return {preload_gemms - o.preload_gemms, expert_flows - o.expert_flows};
-    }
-    path_launches& operator+=(const path_launches& o) {
-      preload_gemms += o.preload_gemms;
-      expert_flows += o.expert_flows;
-      return *this;
-    }
-  };
 #if defined(REFIT_TORCH_CUDA)
   struct graph_entry {
     at::cuda::CUDAGraph graph;
@@ -371,7 +359,7 @@ private:
     at::Tensor picked;
     at::Tensor logits; // the graph's output
     std::byte* kv_base = nullptr;
-    path_launches launches; // the launches the graph holds
+    std::uint64_t preload_gemms = 0; // preloading-GEMM launches the graph holds
   };
 
   static std::size_t allocated_bytes_of(c10::DeviceIndex d) {
@@ -408,7 +396,7 @@ private:
   std::int64_t rope_positions_ = 0;
   at::Tensor expert_loads_;
   forward_counters counters_;
-  mutable path_launches launches_; // counters()' per-path launches (counted in const paths)
+  mutable std::uint64_t preload_gemms_ = 0; // counters().preload_gemms (counted in const paths)
   bool graphs_enabled_ = false;
   bool device_comm_ = false;            // tp > 1 on a GPU with a device comm (NCCL)
   bool fused_ = false;                  // the fused CUDA kernels (torch_kernels.cu)
@@ -441,12 +429,6 @@ private:
   // self_sort_fits (REFIT_EXPERT_SELF_SORT): its weights stream from the end of routing, not
   // of the sort (H200 batch 64: 18.21 vs 18.40 ms a step in one lease).
   std::int64_t expert_self_sort_ = 1;
-  // The down projection starts on an expert once gate_up has finished that expert's tiles,
-  // instead of after the whole gate_up kernel (REFIT_EXPERT_FLOW=0|1; kernels::expert_flow_args;
-  // both kernels resident-warp, gate_up sorting itself). expert_flow_: its counters, int32
-  // [experts + 2], zero between layers (the down kernel resets them).
-  std::int64_t expert_flow_ = 0;
-  at::Tensor expert_flow_counters_;
   // Tokens up to which routing and the counting sort run as one kernel (route_bucket_f32, one
   // block) instead of two (REFIT_ROUTE_BUCKET_MAX_TOKENS, at most 256; 0: always two).
   std::int64_t route_bucket_max_tokens_ = 0;

@@ -357,14 +357,6 @@ at::Tensor fast_rank_forward::expert_projections(const layer_tensors& w, const a
       up.sort.out.loads = expert_loads_.data_ptr<std::int64_t>();
       up.sort.out.loads_n = sort->decode ? 2 : 1;
     }
-    if (sort != nullptr && up.persistent && down.persistent && expert_flow_counters_.defined()) {
-      // down starts on each expert as soon as gate_up has finished it (expert_flow_args)
-      up.flow.counters = down.flow.counters = expert_flow_counters_.data_ptr<int>();
-      down.flow.ids = up.sort.ids;
-      down.flow.copies = c;
-      down.flow.gate_tiles = up.rows / 16;
-      ++launches_.expert_flows;
-    }
     down.y_f32 = fp32_residual_inputs(); // the fused mix adds it into the residual
     at::Tensor act = at::empty({copies, inter_}, bf_);
     at::Tensor ys = at::empty({copies, w.w2.size(1)}, down.y_f32 ? f32_ : bf_);

@@ -72,7 +72,7 @@ at::Tensor fast_rank_forward::preload_linear(const at::Tensor& x, const at::Tens
       a.k = static_cast<int>(w.size(1));
       a.y_f32 = f32;
       kernels::preload_gemm(a, plan, stream());
-      ++launches_.preload_gemms;
+      ++preload_gemms_;
       return y;
     }
   }

@@ -175,24 +175,6 @@ struct expert_sort_args {
 // k of 32); expert_mma_supported: some k-split fits. max_chunks (4, 2 or 1)
 // bounds the 16-byte weight chunks a lane holds per row and k-step (registers vs. bytes in
 // flight).
-// The down projection starting on an expert as soon as gate_up has finished that expert's
-// tiles, rather than after the whole gate_up kernel (expert_mma_args::flow; both kernels
-// persistent and early, gate_up sorting in the kernel, decode). Launched after gate_up (PDL),
-// down's blocks take the SMs that gate_up's blocks leave while the last of gate_up still runs.
-// counters int32 [experts + 2]: per expert, gate_up's finished tiles (released after the tile's
-// activations are written); then gate_up's finished tiles in all, and down's finished blocks;
-// zero before gate_up, zero again once down ends (its last block resets them). down counts the
-// routed ids per block (ids, copies: the ones gate_up sorts), waits on an expert's counter
-// before reading its activations (bounded: a trap after ~4 s), and waits for gate_up's grid
-// (griddepcontrol.wait) only where it lets the kernel after it launch: once every tile of
-// gate_up is counted, or at its end.
-struct expert_flow_args {
-  int* counters = nullptr;
-  const std::int64_t* ids = nullptr; // down only
-  int copies = 0;                    // down only
-  int gate_tiles = 0;                // down only: gate_up's tiles per expert (its rows / 16)
-};
-
 struct expert_mma_args {
   const void* x = nullptr;
   const std::int64_t* x_rows = nullptr;
@@ -227,7 +209,6 @@ struct expert_mma_args {
   // The counting sort in the kernel instead of bucket's (sort.ids set; the early gate_up,
   // persistent or not); counts, offsets and x_rows above are then unused.
   expert_sort_args sort;
-  expert_flow_args flow; // counters set: the gate_up -> down dataflow above
 };
 bool expert_mma_supported(const expert_mma_args& args);
 int expert_mma_ksplit(const expert_mma_args& args, int copies, int experts, int wanted);

@@ -196,15 +196,10 @@ __device__ __forceinline__ void pdl_trigger() {
 #endif
 }
 
-// pdl_enter's first half alone: wait for the kernel before (and through it, every earlier one).
-__device__ __forceinline__ void pdl_wait() {
+__device__ __forceinline__ void pdl_enter() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-}
-
-__device__ __forceinline__ void pdl_enter() {
-  pdl_wait();
   pdl_trigger();
 }
 

@@ -367,18 +367,6 @@ void expert_mma(const expert_mma_args& a, int copies, int experts, int ksplit, v
       throw std::invalid_argument("expert_mma: the in-kernel sort's outputs (counts, offsets, "
                                   "inverse, loads) are missing");
   }
-  if (a.flow.counters != nullptr) {
-    const auto& f = a.flow;
-    if (!a.persistent || !a.early || a.stages == 0)
-      throw std::invalid_argument("expert_mma: the gate_up -> down dataflow needs the early "
-                                  "resident-warp kernels (persistent) with cp.async stages");
-    if (a.glu ? a.sort.ids == nullptr
-              : (f.ids == nullptr || f.copies < 1 || f.gate_tiles < 1 || a.sort.ids != nullptr))
-      throw std::invalid_argument(a.glu ? "expert_mma: the dataflow's gate_up must sort in the "
-                                          "kernel (sort.ids)"
-                                        : "expert_mma: the dataflow's down needs the routed ids, "
-                                          "their count and gate_up's tiles per expert");
-  }
   const int bound = copies < experts ? copies : experts;
   if (bound < 1)
     return;

@@ -47,20 +47,8 @@ __device__ __forceinline__ void load_stage(const bf16* wa, const bf16* wb, int k
   }
 }
 
-// 16 bytes that another grid still running may have written before this thread's acquire
-// (expert_flow_args: down reading gate_up's activations): a plain coherent load, never the
-// read-only path, and kept after the acquire (volatile).
-__device__ __forceinline__ uint4 load_coherent(const bf16* p) {
-  uint4 v;
-  asm volatile("ld.global.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
-// The MMAs of one k-iteration for the live token tiles; x's rows through the read-only path,
-// or with COHERENT through load_coherent.
-template <int CH, int TT, bool COHERENT = false>
+// The MMAs of one k-iteration for the live token tiles.
+template <int CH, int TT>
 __device__ __forceinline__ void mma_stage(const bf16* const (&xr)[TT], int off, int tiles,
                                           const uint4 (&a)[CH], const uint4 (&b)[CH],
                                           float (&acc)[TT][4]) {
@@ -69,9 +57,7 @@ __device__ __forceinline__ void mma_stage(const bf16* const (&xr)[TT], int off, 
     if (tt < tiles) {
 #pragma unroll
       for (int c = 0; c < CH; ++c) {
-        const bf16* xp = xr[tt] + off + c * 32;
-        const uint4 xv =
-          COHERENT ? load_coherent(xp) : __ldg(reinterpret_cast<const uint4*>(xp));
+        const uint4 xv = __ldg(reinterpret_cast<const uint4*>(xr[tt] + off + c * 32));
         mma_bf16(acc[tt], a[c].x, b[c].x, a[c].y, b[c].y, xv.x, xv.y);
         mma_bf16(acc[tt], a[c].z, b[c].z, a[c].w, b[c].w, xv.z, xv.w);
       }

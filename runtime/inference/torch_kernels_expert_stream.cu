@@ -38,74 +38,18 @@ namespace {
 // bucket's stable order) for its token rows. Bucket's outputs for the kernels after it: block
 // 0 writes every expert's count and end offset and adds the non-empty experts to the loads,
 // the warp at an expert's tile 0 writes its copies' inverse.
-//
-// Dataflow (FLOW: expert_flow_args, torch_kernels.hpp). gate_up: after an item's last pass the
-// warp meets and lane 0 adds the tile to the count of all tiles and to its expert's counter
-// after one release fence. down: its blocks run while gate_up's last ones still do, so it does
-// not wait for gate_up's grid at its start; each block counts the routed ids itself (as
-// gate_up's sort does, from the ids route wrote: complete, since every gate_up block waited for
-// route before down could launch), and x's rows come through coherent loads. At a new expert,
-// a warp that finds the count of all tiles complete acquires it (every activation is visible),
-// waits for gate_up's grid and lets the kernel after it launch, once; before that, every lane
-// waits on the expert's counter (polled, then acquired). A warp that never found it waits for
-// gate_up's grid at its end; the last block to finish resets the counters.
-__device__ __forceinline__ int load_acquire(const int* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ int load_relaxed(const int* p) {
-  int v;
-  asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void fence_release() {
-  asm volatile("fence.acq_rel.gpu;" ::: "memory");
-}
-
-__device__ __forceinline__ void add_relaxed(int* p, int v) {
-  asm volatile("red.relaxed.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-
-// Until *p >= want, polled without acquiring (an acquire invalidates the SM's L1, which the
-// blocks beside this one read their token rows from), then acquired once; a trap past ~4 s (a
-// dataflow that cannot complete is a bug: fail-stop).
-__device__ __forceinline__ void wait_at_least(const int* p, int want) {
-  if (load_relaxed(p) < want) {
-    unsigned long long t0, t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-    while (load_relaxed(p) < want) {
-      __nanosleep(256);
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-      if (t - t0 > 4000000000ull)
-        __trap();
-    }
-  }
-  (void)load_acquire(p);
-}
-
-template <int CH, bool GLU, int TT, int S, bool FLOW>
+template <int CH, bool GLU, int TT, int S>
 __global__ void __launch_bounds__(mma_warps * 32, 2)
   expert_stream_kernel(const bf16* __restrict__ x, const i64* __restrict__ x_rows,
                        const bf16* __restrict__ w, const i64* __restrict__ counts,
                        const int* __restrict__ offsets, void* __restrict__ y_out, int rows, int k,
                        int experts, bool evict_first, bool y_f32, bool early,
-                       expert_sort_args ss, expert_flow_args fl) {
+                       expert_sort_args ss) {
   extern __shared__ uint4 mma_smem[];
   __shared__ int s_count[expert_stream_sort_max_experts];
   __shared__ int s_less[expert_stream_sort_max_experts];
   __shared__ short s_list[mma_warps][expert_sort_max_tokens];
-  __shared__ int s_used; // the block's count of non-empty experts (FLOW down)
-  __shared__ bool s_last;
-  constexpr bool flow_down = FLOW && !GLU;
-  // gate_up's sort lists its copies per warp and writes bucket's outputs; down under FLOW only
-  // counts (its rows are the sorted positions).
-  const bool self_listed = ss.ids != nullptr;
-  const i64* const count_ids = flow_down ? fl.ids : ss.ids;
-  const int count_copies = flow_down ? fl.copies : ss.copies;
-  const bool self_sorted = count_ids != nullptr;
+  const bool self_sorted = ss.ids != nullptr;
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2;
@@ -182,21 +126,20 @@ __global__ void __launch_bounds__(mma_warps * 32, 2)
       asm volatile("cp.async.commit_group;" ::: "memory");
     }
   }
-  if constexpr (!flow_down)
-    pdl_enter();
+  pdl_enter();
   if (self_sorted) { // the block's counts and first positions of every expert
     for (int e = threadIdx.x; e < experts; e += blockDim.x)
       s_count[e] = 0;
     __syncthreads();
-    for (int f = threadIdx.x; f < count_copies; f += blockDim.x) {
-      const i64 id = __ldcg(count_ids + f);
+    for (int f = threadIdx.x; f < ss.copies; f += blockDim.x) {
+      const i64 id = ss.ids[f];
       if (id < 0 || id >= experts)
         __trap(); // a routed id past the experts
       atomicAdd(&s_count[id], 1);
     }
     __syncthreads();
     if (warp == 0) { // exclusive scan, 32 experts at a time
-      int run = 0, used = 0;
+      int run = 0;
       for (int base = 0; base < experts; base += 32) {
         const int e = base + lane;
         const int c = e < experts ? s_count[e] : 0;
@@ -211,13 +154,10 @@ __global__ void __launch_bounds__(mma_warps * 32, 2)
         if (e < experts)
           s_less[e] = run + incl - c;
         run += __shfl_sync(0xffffffffu, incl, 31);
-        used += __popc(__ballot_sync(0xffffffffu, c > 0));
       }
-      if (lane == 0)
-        s_used = used;
     }
     __syncthreads();
-    if (self_listed && blockIdx.x == 0) { // bucket's outputs, for the kernels after this one
+    if (blockIdx.x == 0) { // bucket's counts, offsets and loads, for the kernels after this one
       int used = 0;
       for (int base = 0; base < experts; base += blockDim.x) {
         const int e = base + static_cast<int>(threadIdx.x);
@@ -247,28 +187,13 @@ __global__ void __launch_bounds__(mma_warps * 32, 2)
     issue(issued);
 
   unsigned q = 0; // the stage feeding the MMAs
-  int listed = -1; // the expert whose copies s_list[warp] holds (gate_up) / waited for (down)
-  bool waited = false; // FLOW down: this warp has waited for gate_up's grid
-  const auto wait_for_gate_up = [&]() {
-    pdl_wait();
-    pdl_trigger();
-    waited = true;
-  };
+  int listed = -1; // the expert whose copies s_list[warp] holds
   for (int i = start; i < items; i = next(i + stride)) {
     const int e = i / tiles_per_expert;
     const int tile = i - e * tiles_per_expert;
     const int count = count_of(e);
     const i64 first = self_sorted ? s_less[e] : offsets[e] - count; // e's first sorted position
-    if (flow_down && !waited && e != listed) { // gate_up's tiles of e are written
-      listed = e;
-      if (load_relaxed(fl.counters + experts) >= s_used * fl.gate_tiles) {
-        (void)load_acquire(fl.counters + experts); // every activation is visible
-        wait_for_gate_up(); // gate_up's grid is ending: no more waits here
-      }
-      else
-        wait_at_least(fl.counters + e, fl.gate_tiles);
-    }
-    if (self_listed && e != listed) { // e's copies in flat order
+    if (self_sorted && e != listed) { // e's copies in flat order
       int n = 0;
       for (int base = 0; base < ss.copies; base += 32) {
         const int f = base + lane;
@@ -287,7 +212,7 @@ __global__ void __launch_bounds__(mma_warps * 32, 2)
     for (int base = 0; base < count; base += 8 * TT) {
       const int tiles = min(TT, (count - base + 7) / 8);
       const bf16* xr[TT];
-      if (self_listed) // the copy's token: its flat index / top_k
+      if (self_sorted) // the copy's token: its flat index / top_k
 #pragma unroll
         for (int tt = 0; tt < TT; ++tt)
           xr[tt] = x + static_cast<i64>(s_list[warp][min(base + tt * 8 + g, count - 1)] / ss.top_k) * k
@@ -299,37 +224,14 @@ __global__ void __launch_bounds__(mma_warps * 32, 2)
         asm volatile("cp.async.wait_group %0;" ::"n"(S - 1) : "memory"); // stage q landed
         uint4 a[CH], b[CH];
         read_stage<CH>(ring + (q % S) * stage_uint4s<CH>, a, b);
-        mma_stage<CH, TT, flow_down>(xr, it * 32 * CH, tiles, a, b, acc);
+        mma_stage<CH, TT>(xr, it * 32 * CH, tiles, a, b, acc);
         issue(q + S); // into the slot just read: its registers fed the MMAs first
       }
       write_tile<GLU, TT>(acc, tiles, base, count, first, tile, row_a(tile), row_b(tile), cols,
                           y_out, y_f32);
     }
-    if constexpr (FLOW && GLU) { // the tile's activations are written: count it
-      __syncwarp(); // the lanes' writes ordered before lane 0's release (cumulative)
-      if (lane == 0) { // one release for both counters (a fence, then relaxed adds)
-        fence_release();
-        add_relaxed(fl.counters + experts, 1);
-        add_relaxed(fl.counters + e, 1);
-      }
-    }
   }
   asm volatile("cp.async.wait_group 0;" ::: "memory");
-  if constexpr (flow_down) {
-    if (!waited)
-      wait_for_gate_up();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      __threadfence();
-      s_last = atomicAdd(fl.counters + experts + 1, 1) == static_cast<int>(gridDim.x) - 1;
-    }
-    __syncthreads();
-    if (s_last) { // every block has finished with the counters, and gate_up's grid has ended
-      __threadfence();
-      for (int j = threadIdx.x; j < experts + 2; j += blockDim.x)
-        fl.counters[j] = 0;
-    }
-  }
 }
 
 // The blocks of one launch: no more than fit on the device at once (the kernel's occupancy at
@@ -345,9 +247,9 @@ int resident_blocks(Kernel kernel, int smem) {
   return per_sm * multiprocessors();
 }
 
-template <int CH, bool GLU, int S, bool FLOW>
+template <int CH, bool GLU, int S>
 void launch_stream(const expert_mma_args& a, int experts, cudaStream_t s) {
-  const auto kernel = expert_stream_kernel<CH, GLU, mma_token_tiles, S, FLOW>;
+  const auto kernel = expert_stream_kernel<CH, GLU, mma_token_tiles, S>;
   const int smem = ring_bytes<CH, S>;
   const long long items = static_cast<long long>(experts) * (a.rows / 16);
   const long long wanted = (items + mma_warps - 1) / mma_warps;
@@ -357,24 +259,16 @@ void launch_stream(const expert_mma_args& a, int experts, cudaStream_t s) {
   launch_smem("expert_stream", kernel, dim3(blocks), dim3(mma_warps * 32), smem, s,
               static_cast<const bf16*>(a.x), a.x_rows, static_cast<const bf16*>(a.w), a.counts,
               a.offsets, a.y, a.rows, a.k, experts, a.evict_first, a.y_f32 && !GLU, a.early,
-              a.sort, a.flow);
-}
-
-template <int CH, bool GLU, int S>
-void stream_for_flow(const expert_mma_args& a, int experts, cudaStream_t s) {
-  if (a.flow.counters != nullptr)
-    launch_stream<CH, GLU, S, true>(a, experts, s);
-  else
-    launch_stream<CH, GLU, S, false>(a, experts, s);
+              a.sort);
 }
 
 template <int CH, bool GLU>
 void stream_for_stages(const expert_mma_args& a, int experts, cudaStream_t s) {
   switch (a.stages) {
-    case 4: return stream_for_flow<CH, GLU, 4>(a, experts, s);
+    case 4: return launch_stream<CH, GLU, 4>(a, experts, s);
     case 8:
       if constexpr (CH <= 2) // 8 stages of 4 chunks would not fit in shared memory
-        return stream_for_flow<CH, GLU, 8>(a, experts, s);
+        return launch_stream<CH, GLU, 8>(a, experts, s);
       break;
   }
   throw std::invalid_argument("expert_mma (persistent): stages " + std::to_string(a.stages)
@@ -391,8 +285,7 @@ void expert_stream(const expert_mma_args& a, int chunks, int experts, cudaStream
                                 + " (0: as many as fit at once, or a positive cap)");
   if (experts < 1)
     return;
-  if ((a.sort.ids != nullptr || a.flow.counters != nullptr)
-      && experts > expert_stream_sort_max_experts)
+  if (a.sort.ids != nullptr && experts > expert_stream_sort_max_experts)
     throw std::invalid_argument("expert_mma (persistent): the in-kernel sort of "
                                 + std::to_string(experts) + " experts (at most "
                                 + std::to_string(expert_stream_sort_max_experts) + ")");
