@@ -10,6 +10,8 @@
 #   HF; TESTS=0 skips the tests; TRACE="ENV=V,..." adds a CUPTI trace of the step under those
 #   knobs (bench/gpu-trace-decode.sh, into $OUT/trace/), e.g. TRACE=REFIT_PRELOAD_GEMM=2.
 #   RECIPE (configs/bench-generate-h200.yaml): another recipe, e.g. a smaller KV budget on an H100.
+#   TESTS_RE ('GpuPreloadGemm|GpuEngine|GpuResidualKernels'): the ctest names to run first, e.g.
+#   'GpuExpertSelfSort|GpuEngine' with VARIANTS='base:REFIT_EXPERT_FLOW=0 flow:REFIT_EXPERT_FLOW=1'.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -20,20 +22,23 @@ TESTS=${TESTS:-1}
 LIMIT=${LIMIT:-300}
 VARIANTS=${VARIANTS:-"cublas:REFIT_PRELOAD_GEMM=0 preload:REFIT_PRELOAD_GEMM=1 router:REFIT_PRELOAD_GEMM=2 trigger:REFIT_PRELOAD_GEMM=2,REFIT_MIX_TRIGGER_EARLY=1"}
 RECIPE=${RECIPE:-configs/bench-generate-h200.yaml}
+TESTS_RE=${TESTS_RE:-'GpuPreloadGemm|GpuEngine|GpuResidualKernels'}
 mkdir -p "$OUT"
 status=0
 
 if [ "$TESTS" = 1 ]; then
   # The kernel alone, then the engine's paths that take it (ctest names are Suite.Name).
-  timeout 900 ctest --test-dir build-gpu -R 'GpuPreloadGemm|GpuEngine|GpuResidualKernels' \
+  timeout 900 ctest --test-dir build-gpu -R "$TESTS_RE" \
     --output-on-failure \
     --timeout 300 > "$OUT/preload-tests.log" 2>&1 || status=1
   grep -E "tests passed|Failed|\*\*\*|No tests were found" "$OUT/preload-tests.log" | tail -20
   grep -q "No tests were found" "$OUT/preload-tests.log" && { echo "TESTS: NONE MATCHED"; status=1; }
   # The clusters this device holds and the plans they give (ctest shows a passing test's output
   # only on failure, so the planner test runs once more here for its [ measured ] lines).
-  ./build-gpu/bin/test_gpu_preload_gemm --gtest_filter='*ModelShapesArePlanned*' 2>&1 \
-    | grep -F "[ measured ]" | tee -a "$OUT/preload-tests.log"
+  if [ -x ./build-gpu/bin/test_gpu_preload_gemm ]; then
+    ./build-gpu/bin/test_gpu_preload_gemm --gtest_filter='*ModelShapesArePlanned*' 2>&1 \
+      | grep -F "[ measured ]" | tee -a "$OUT/preload-tests.log"
+  fi
 fi
 
 for round in $(seq 1 "$ROUNDS"); do
