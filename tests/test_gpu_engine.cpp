@@ -184,6 +184,73 @@ TEST(GpuEngine, TheEarlyMixGivesTheSameLogitsBitwise) {
   EXPECT_EQ(differ, 0u) << "of " << got.size() << " logits";
 }
 
+// The resident-warp expert kernels' stage copies by whole row segments
+// (REFIT_EXPERT_MMA_LINES) over 20 sequences: a prefill of 4 tokens each (80 rows; its logits)
+// and 6 sampled decode steps of 20 rows (captured and replayed as CUDA graphs; their tokens and
+// log-probabilities), gate_up sorting in the kernel: the same bits as without them.
+TEST(GpuEngine, LineCopiesOfTheExpertWeightsGiveTheSameLogitsAndDrawsBitwise) {
+  REQUIRE_GPU();
+  const auto cfg = refit::testing::small_model();
+  const auto w = engine_synthetic(cfg);
+  constexpr std::uint32_t seqs = 20, prompt = 4, steps = 6, per_seq = 2, block = 8;
+  const env_vars experts = {{"REFIT_EXPERT_MMA_PERSISTENT", "1"},
+                            {"REFIT_EXPERT_MMA_KSPLIT", "1"},
+                            {"REFIT_EXPERT_GEMV_MAX_COPIES", "0"},
+                            {"REFIT_EXPERT_MMA_MAX_COPIES", "4096"}};
+  gpu_memory mem;
+  struct result {
+    std::vector<float> logits; // the prefill's
+    std::vector<inf::sampled_token> draws;
+    inf::forward_counters counters;
+  };
+  const auto run = [&](bool lines) {
+    env_vars knobs = experts;
+    knobs.emplace_back("REFIT_EXPERT_MMA_LINES", lines ? "1" : "0");
+    const scoped_env env(knobs);
+    auto rig = gpu_rig(mem, cfg, w, model::dtype::bfloat16, block, seqs * per_seq, true, true);
+    std::vector<std::vector<std::uint32_t>> tables(seqs);
+    std::vector<std::vector<std::int32_t>> tokens(seqs);
+    std::vector<inf::forward_item> items;
+    for (std::uint32_t i = 0; i < seqs; ++i) {
+      for (std::uint32_t b = 0; b < per_seq; ++b)
+        tables[i].push_back(i * per_seq + b);
+      tokens[i] = engine_prompt(prompt + steps, static_cast<std::int32_t>(i), 512);
+      items.push_back({tables[i].data(), per_seq, 0, tokens[i].data(), prompt});
+    }
+    result r;
+    r.logits = rig.forward->forward(items, rig.arena, inf::logits_rows::last_token);
+    inf::sampling_config p;
+    p.temperature = 1.0f;
+    p.seed = 9;
+    for (std::uint32_t step = 0; step < steps; ++step) { // teacher-forced: the prompt's tokens
+      std::vector<inf::sample_draw> draws;
+      for (std::uint32_t i = 0; i < seqs; ++i) {
+        items[i] = {tables[i].data(), per_seq, prompt + step, tokens[i].data() + prompt + step, 1};
+        draws.push_back({i, i, 0, step});
+      }
+      const auto got = rig.forward->forward_sample(items, rig.arena, p, draws);
+      r.draws.insert(r.draws.end(), got.begin(), got.end());
+    }
+    r.counters = rig.forward->counters();
+    return r;
+  };
+  const result want = run(false);
+  const result got = run(true);
+  ASSERT_EQ(got.logits.size(), std::size_t{seqs} * cfg.vocab_size);
+  ASSERT_EQ(got.logits.size(), want.logits.size());
+  std::size_t differ = 0;
+  for (std::size_t i = 0; i < got.logits.size(); ++i)
+    differ += got.logits[i] != want.logits[i] ? 1 : 0;
+  EXPECT_EQ(differ, 0u) << "of " << got.logits.size() << " prefill logits";
+  ASSERT_EQ(got.draws.size(), std::size_t{seqs} * steps);
+  ASSERT_EQ(got.draws.size(), want.draws.size());
+  for (std::size_t i = 0; i < got.draws.size(); ++i) {
+    EXPECT_EQ(got.draws[i].token, want.draws[i].token) << "draw " << i;
+    EXPECT_EQ(got.draws[i].logprob, want.draws[i].logprob) << "draw " << i;
+  }
+  EXPECT_EQ(got.counters.graph_replays, std::uint64_t{steps});
+}
+
 TEST(GpuEngine, Bf16LogitsTrackTheFp32ReferenceAndTheCpuEngine) {
   REQUIRE_GPU();
   const auto cfg = refit::testing::tiny_model();

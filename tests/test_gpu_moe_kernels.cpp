@@ -384,7 +384,8 @@ TEST(GpuMoeKernels, ExpertMmaMatchesTheHostReferenceAtEveryKSplit) {
 // routing above (an expert of three 32-copy passes, single copies, a quarter of the experts
 // empty, so warps whose first item is empty drop their early stages), with 1 and 3 blocks (each
 // warp walks many items across experts and passes) and as many as fit; within the reference's
-// tolerance too. Then the refusals: a k-split other than 1, a negative block cap.
+// tolerance too; with each copy instruction taking whole row segments (line_copies) as well.
+// Then the refusals: a k-split other than 1, a negative block cap.
 TEST(GpuMoeKernels, PersistentExpertMmaEqualsTheBlockPerExpertKernelBitwise) {
   REQUIRE_GPUS(1);
   const routed_copies r({0});
@@ -421,30 +422,34 @@ TEST(GpuMoeKernels, PersistentExpertMmaEqualsTheBlockPerExpertKernelBitwise) {
           a.persistent = false;
           const auto blockwise = run(a);
           a.persistent = true;
-          for (const int cap : {1, 3, 0}) {
-            a.max_blocks = cap;
-            const std::string where = "rows " + std::to_string(pc.rows) + " k "
-                                      + std::to_string(pc.k) + " stages " + std::to_string(stages)
-                                      + " early " + std::to_string(early) + " chunks "
-                                      + std::to_string(chunks) + " max_blocks " + std::to_string(cap);
-            const auto y = run(a);
-            ++compared;
-            double worst = 0;
-            for (std::size_t i = 0; i < y.size(); ++i) {
-              ASSERT_TRUE(std::isfinite(from_bf16(y[i]))) << "element " << i << " unwritten, " << where;
-              worst = std::max(worst, std::abs(from_bf16(y[i]) - double(reference[i]))
-                                        / (std::abs(double(reference[i])) + 0.05));
+          for (const int cap : {1, 3, 0})
+            for (const bool lines : {false, true}) {
+              a.max_blocks = cap;
+              a.line_copies = lines;
+              const std::string where = "rows " + std::to_string(pc.rows) + " k "
+                                        + std::to_string(pc.k) + " stages " + std::to_string(stages)
+                                        + " early " + std::to_string(early) + " chunks "
+                                        + std::to_string(chunks) + " max_blocks " + std::to_string(cap)
+                                        + (lines ? " line copies" : "");
+              const auto y = run(a);
+              ++compared;
+              double worst = 0;
+              for (std::size_t i = 0; i < y.size(); ++i) {
+                ASSERT_TRUE(std::isfinite(from_bf16(y[i]))) << "element " << i << " unwritten, " << where;
+                worst = std::max(worst, std::abs(from_bf16(y[i]) - double(reference[i]))
+                                          / (std::abs(double(reference[i])) + 0.05));
+              }
+              EXPECT_LT(worst, 0.02) << where;
+              EXPECT_TRUE(y == blockwise) << "not bitwise the block-per-expert result, " << where;
             }
-            EXPECT_LT(worst, 0.02) << where;
-            EXPECT_TRUE(y == blockwise) << "not bitwise the block-per-expert result, " << where;
-          }
           a.max_blocks = 0;
+          a.line_copies = false;
           a.persistent = false;
         }
   }
   // Every case ran: 3 shapes x (4 stages x 3 chunk counts + 8 stages x 2, each with and
-  // without the early start) x 3 block caps.
-  EXPECT_EQ(compared, 3 * 10 * 3);
+  // without the early start) x 3 block caps x the two copy mappings.
+  EXPECT_EQ(compared, 3 * 10 * 3 * 2);
   kernels::expert_mma_args a;
   a.rows = 64;
   a.k = 256;

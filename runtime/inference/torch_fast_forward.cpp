@@ -108,6 +108,7 @@ fast_rank_forward::fast_rank_forward(const rank_forward_options& o)
   mma_early_ = choice_knob("REFIT_EXPERT_MMA_EARLY", {"0", "1"}, mma_early_);
   mma_persistent_ = choice_knob("REFIT_EXPERT_MMA_PERSISTENT", {"0", "1", "2"}, mma_persistent_);
   expert_self_sort_ = choice_knob("REFIT_EXPERT_SELF_SORT", {"0", "1"}, expert_self_sort_);
+  mma_line_copies_ = choice_knob("REFIT_EXPERT_MMA_LINES", {"0", "1"}, mma_line_copies_);
   route_bucket_max_tokens_ = count_knob("REFIT_ROUTE_BUCKET_MAX_TOKENS", route_bucket_max_tokens_,
                                         "tokens", 256); // kernels::route_bucket_max_tokens
   fused_sampling_ = choice_knob("REFIT_FUSED_SAMPLING", {"0", "1"}, fused_sampling_);

@@ -429,6 +429,9 @@ private:
   // self_sort_fits (REFIT_EXPERT_SELF_SORT): its weights stream from the end of routing, not
   // of the sort (H200 batch 64: 18.21 vs 18.40 ms a step in one lease).
   std::int64_t expert_self_sort_ = 1;
+  // The resident-warp kernels' stage copies by whole row segments
+  // (REFIT_EXPERT_MMA_LINES=0|1, kernels::expert_mma_args::line_copies).
+  std::int64_t mma_line_copies_ = 0;
   // Tokens up to which routing and the counting sort run as one kernel (route_bucket_f32, one
   // block) instead of two (REFIT_ROUTE_BUCKET_MAX_TOKENS, at most 256; 0: always two).
   std::int64_t route_bucket_max_tokens_ = 0;

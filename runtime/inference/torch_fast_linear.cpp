@@ -17,6 +17,7 @@ kernels::expert_mma_args fast_rank_forward::tuned_mma_args() const {
   a.evict_first = mma_evict_first_ != 0;
   a.stages = static_cast<int>(mma_stages_);
   a.early = mma_early_ != 0;
+  a.line_copies = mma_line_copies_ != 0;
   return a;
 }
 #endif

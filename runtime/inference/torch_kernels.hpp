@@ -206,6 +206,10 @@ struct expert_mma_args {
   // unused). The sums are the block-per-expert kernel's at k-split 1, bit for bit.
   bool persistent = false;
   int max_blocks = 0; // persistent: at most this many blocks (0: as many as fit at once)
+  // persistent with cp.async stages: each copy instruction of a stage takes whole row segments
+  // (8 / chunks rows of chunks * 64 bytes) instead of 8 rows x 64 bytes; the same bytes land in
+  // the same places (copy_stage_lines), so the sums are the same bits.
+  bool line_copies = false;
   // The counting sort in the kernel instead of bucket's (sort.ids set; the early gate_up,
   // persistent or not); counts, offsets and x_rows above are then unused.
   expert_sort_args sort;

@@ -94,6 +94,34 @@ __device__ __forceinline__ void copy_stage(uint4* slot, const bf16* wa, const bf
   }
 }
 
+// The same stage with each copy instruction taking whole row segments: the warp tile's 16 rows
+// (8 of wa's half, rows g = 0..7 of it, then 8 of wb's) of CH * 64 bytes at stage offset k0,
+// 4 * CH lanes a row and 8 / CH rows an instruction, instead of 8 rows x 64 bytes. A chunk lands
+// where copy_stage puts it (row h * 8 + g, 16-byte chunk j = t + 4c: uint4 (c * 2 + h) * 32 +
+// g * 4 + t of the slot), so read_stage is unchanged; but lanes now fill each other's places:
+// wait for the stage, then __syncwarp before reading it, and again before refilling it.
+// wa, wb: this lane's rows (row g of each half, as for copy_stage); k: the row length.
+template <int CH>
+__device__ __forceinline__ void copy_stage_lines(uint4* slot_lane, const bf16* wa,
+                                                 const bf16* wb, int k0, int k,
+                                                 unsigned long long policy) {
+  constexpr int per_row = 4 * CH;         // lanes copying one row's segment
+  constexpr int rows_per = 32 / per_row;  // rows an instruction
+  const int lane = threadIdx.x & 31;
+  const i64 g = lane >> 2;
+  uint4* slot = slot_lane - lane;
+  const bf16* a0 = wa - g * k; // row 0 of each half
+  const bf16* b0 = wb - g * k;
+  const int q = lane / per_row, j = lane % per_row;
+#pragma unroll
+  for (int i = 0; i < 2 * CH; ++i) {
+    const int h = (i * rows_per) >> 3; // the half: the same for the whole instruction
+    const int r = ((i * rows_per) & 7) + q;
+    cp_async_stream(slot + ((j >> 2) * 2 + h) * 32 + r * 4 + (j & 3),
+                    (h == 0 ? a0 : b0) + static_cast<i64>(r) * k + k0 + j * 8, policy);
+  }
+}
+
 template <int CH>
 __device__ __forceinline__ void read_stage(const uint4* slot, uint4 (&a)[CH], uint4 (&b)[CH]) {
 #pragma unroll

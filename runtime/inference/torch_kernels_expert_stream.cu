@@ -44,7 +44,7 @@ __global__ void __launch_bounds__(mma_warps * 32, 2)
                        const bf16* __restrict__ w, const i64* __restrict__ counts,
                        const int* __restrict__ offsets, void* __restrict__ y_out, int rows, int k,
                        int experts, bool evict_first, bool y_f32, bool early,
-                       expert_sort_args ss) {
+                       expert_sort_args ss, bool lines) {
   extern __shared__ uint4 mma_smem[];
   __shared__ int s_count[expert_stream_sort_max_experts];
   __shared__ int s_less[expert_stream_sort_max_experts];
@@ -107,11 +107,19 @@ __global__ void __launch_bounds__(mma_warps * 32, 2)
         aim(next(pi + stride));
     }
   };
+  // A stage's copies (k0: the stage's first column): each lane its own chunks, or with `lines`
+  // whole row segments an instruction (copy_stage_lines: lanes fill each other's places).
+  const auto copy = [&](uint4* slot, const bf16* a, const bf16* b, int k0) {
+    if (lines)
+      copy_stage_lines<CH>(slot, a, b, k0, k, policy);
+    else
+      copy_stage<CH>(slot, a, b, lane_k + k0, policy);
+  };
   // Stage q's chunks into slot q % S (nothing past the end), one commit group either way: the
   // groups in flight stay S - 1 behind the one awaited.
   const auto issue = [&](unsigned q) {
     if (pi < items) {
-      copy_stage<CH>(ring + (q % S) * stage_uint4s<CH>, pa, pb, lane_k + pit * 32 * CH, policy);
+      copy(ring + (q % S) * stage_uint4s<CH>, pa, pb, pit * 32 * CH);
       step();
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
@@ -121,8 +129,7 @@ __global__ void __launch_bounds__(mma_warps * 32, 2)
   if (early && mine < items) {
     weights(mine, pa, pb);
     for (; issued < S && issued < static_cast<unsigned>(iters); ++issued) {
-      copy_stage<CH>(ring + issued * stage_uint4s<CH>, pa, pb, lane_k + issued * 32 * CH,
-                     policy);
+      copy(ring + issued * stage_uint4s<CH>, pa, pb, static_cast<int>(issued) * 32 * CH);
       asm volatile("cp.async.commit_group;" ::: "memory");
     }
   }
@@ -178,8 +185,11 @@ __global__ void __launch_bounds__(mma_warps * 32, 2)
     pit = static_cast<int>(issued) - 1;
     step();
   } else {
-    if (issued > 0) // expert(mine) is empty: let its copies land before the slots are reused
+    if (issued > 0) { // expert(mine) is empty: let its copies land before the slots are reused
       asm volatile("cp.async.wait_all;" ::: "memory");
+      if (lines)
+        __syncwarp(); // every lane's: with `lines` a lane refills places other lanes filled
+    }
     issued = 0;
     aim(start);
   }
@@ -222,9 +232,13 @@ __global__ void __launch_bounds__(mma_warps * 32, 2)
       float acc[TT][4] = {};
       for (int it = 0; it < iters; ++it, ++q) {
         asm volatile("cp.async.wait_group %0;" ::"n"(S - 1) : "memory"); // stage q landed
+        if (lines)
+          __syncwarp(); // and the other lanes' copies into this lane's places too
         uint4 a[CH], b[CH];
         read_stage<CH>(ring + (q % S) * stage_uint4s<CH>, a, b);
         mma_stage<CH, TT>(xr, it * 32 * CH, tiles, a, b, acc);
+        if (lines)
+          __syncwarp(); // every lane has read the slot before any lane refills it
         issue(q + S); // into the slot just read: its registers fed the MMAs first
       }
       write_tile<GLU, TT>(acc, tiles, base, count, first, tile, row_a(tile), row_b(tile), cols,
@@ -259,7 +273,7 @@ void launch_stream(const expert_mma_args& a, int experts, cudaStream_t s) {
   launch_smem("expert_stream", kernel, dim3(blocks), dim3(mma_warps * 32), smem, s,
               static_cast<const bf16*>(a.x), a.x_rows, static_cast<const bf16*>(a.w), a.counts,
               a.offsets, a.y, a.rows, a.k, experts, a.evict_first, a.y_f32 && !GLU, a.early,
-              a.sort);
+              a.sort, a.line_copies);
 }
 
 template <int CH, bool GLU>
