@@ -122,6 +122,17 @@ __device__ __forceinline__ void copy_stage_lines(uint4* slot_lane, const bf16* w
   }
 }
 
+// copy_stage (at the lane's own k, lane_k0 = k0 + t * 8) or, with `lines`, copy_stage_lines.
+template <int CH>
+__device__ __forceinline__ void copy_stage_as(bool lines, uint4* slot, const bf16* wa,
+                                              const bf16* wb, int lane_k0, int k,
+                                              unsigned long long policy) {
+  if (lines)
+    copy_stage_lines<CH>(slot, wa, wb, lane_k0 - (threadIdx.x & 3) * 8, k, policy);
+  else
+    copy_stage<CH>(slot, wa, wb, lane_k0, policy);
+}
+
 template <int CH>
 __device__ __forceinline__ void read_stage(const uint4* slot, uint4 (&a)[CH], uint4 (&b)[CH]) {
 #pragma unroll

@@ -110,10 +110,7 @@ __global__ void __launch_bounds__(mma_warps * 32, 2)
   // A stage's copies (k0: the stage's first column): each lane its own chunks, or with `lines`
   // whole row segments an instruction (copy_stage_lines: lanes fill each other's places).
   const auto copy = [&](uint4* slot, const bf16* a, const bf16* b, int k0) {
-    if (lines)
-      copy_stage_lines<CH>(slot, a, b, k0, k, policy);
-    else
-      copy_stage<CH>(slot, a, b, lane_k + k0, policy);
+    copy_stage_as<CH>(lines, slot, a, b, lane_k + k0, k, policy);
   };
   // Stage q's chunks into slot q % S (nothing past the end), one commit group either way: the
   // groups in flight stay S - 1 behind the one awaited.
