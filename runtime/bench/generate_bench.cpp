@@ -434,7 +434,7 @@ json generate_bench::run() {
         "REFIT_ATTENTION_SPLITS", "REFIT_ATTENTION_WARPS", "REFIT_EXPERT_MMA_STAGES",
         "REFIT_EXPERT_MMA_EARLY", "REFIT_EXPERT_MMA_PERSISTENT", "REFIT_EXPERT_SELF_SORT",
         "REFIT_ROUTE_BUCKET_MAX_TOKENS", "REFIT_ROUTER_MMA_MAX_ROWS", "REFIT_ATTENTION_FUSED_QK",
-        "REFIT_MIX_EARLY", "REFIT_PRELOAD_GEMM", "REFIT_MIX_TRIGGER_EARLY"})
+        "REFIT_MIX_EARLY", "REFIT_PRELOAD_GEMM", "REFIT_MIX_TRIGGER_EARLY", "REFIT_EXPERT_MMA_LINES"})
     if (const char* v = std::getenv(knob); v != nullptr)
       out["engine_env"][knob] = v;
   out["compute_dtype"] = cfg_.runtime.compute_dtype;
