@@ -2,7 +2,8 @@
 // instead of the bucket kernel before it: bucket's counts, offsets and inverse (against the
 // host's stable counting sort) and its expert-load counts, and the same activations, then the
 // same down projection, bit for bit, as bucket + expert_mma; at each staging and k-split and
-// with resident warps (persistent: the block's counts, each warp's list), over a skewed
+// with resident warps (persistent: the block's counts, each warp's list; also with the stage
+// copies by whole row segments), over a skewed
 // routing (an expert of three 32-copy passes, single copies, a quarter empty); then the
 // refusals.
 #include <cuda_runtime.h>
@@ -65,7 +66,7 @@ TEST(GpuExpertSelfSort, GateUpSortsAsBucketDoesAndComputesTheSameBits) {
       CUDA_OK(cudaMemset(self.counts.p, 0xff, self.counts.n * 8));
       CUDA_OK(cudaMemset(self.offsets.p, 0xff, self.offsets.n * 4));
       CUDA_OK(cudaMemset(self.inverse.p, 0xff, self.inverse.n * 8));
-      const auto run = [&](bool in_kernel) {
+      const auto run = [&](bool in_kernel, bool lines) {
         const refit::bench::device_bucket& lists = in_kernel ? self : bucketed;
         device_vec<std::uint16_t> act(std::size_t(copies) * inter), ys(std::size_t(copies) * hidden);
         kernels::expert_mma_args up;
@@ -92,6 +93,7 @@ TEST(GpuExpertSelfSort, GateUpSortsAsBucketDoesAndComputesTheSameBits) {
         down.k = inter;
         down.glu = false;
         down.y = ys.p;
+        up.line_copies = down.line_copies = lines;
         if (in_kernel) {
           up.sort.ids = d_ids.p;
           up.sort.copies = copies;
@@ -105,9 +107,14 @@ TEST(GpuExpertSelfSort, GateUpSortsAsBucketDoesAndComputesTheSameBits) {
         EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess) << where;
         return outputs{act.host(), ys.host()};
       };
-      const outputs by_bucket = run(false);
-      const outputs in_kernel = run(true);
+      const outputs by_bucket = run(false, false);
+      const outputs in_kernel = run(true, false);
       ++runs;
+      if (persistent) { // and with the stage copies by whole row segments
+        const outputs lines = run(true, true);
+        EXPECT_TRUE(lines.act == by_bucket.act) << "activations differ, line copies, " << where;
+        EXPECT_TRUE(lines.ys == by_bucket.ys) << "down's output differs, line copies, " << where;
+      }
       EXPECT_EQ(self.counts.host(), want.counts) << where;
       EXPECT_EQ(self.offsets.host(), want.offsets) << where;
       EXPECT_EQ(self.inverse.host(), want.inverse) << where;
