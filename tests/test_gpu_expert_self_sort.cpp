@@ -3,9 +3,8 @@
 // host's stable counting sort) and its expert-load counts, and the same activations, then the
 // same down projection, bit for bit, as bucket + expert_mma; at each staging and k-split and
 // with resident warps (persistent: the block's counts, each warp's list; also with the stage
-// copies by whole row segments), over a skewed
-// routing (an expert of three 32-copy passes, single copies, a quarter empty); then the
-// refusals.
+// copies by whole row segments), over a skewed routing (an expert of three 32-copy passes,
+// single copies, a quarter empty); then the refusals.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
