@@ -431,7 +431,8 @@ private:
   std::int64_t expert_self_sort_ = 1;
   // The resident-warp kernels' stage copies by whole row segments
   // (REFIT_EXPERT_MMA_LINES=0|1, kernels::expert_mma_args::line_copies; the same bits). H100,
-  // batch 64: 22.704 / 22.700 ms a step against 23.561 / 23.569 with per-lane chunks.
+  // batch 64: 22.704 / 22.700 ms a step against 23.561 / 23.569 with per-lane chunks (23.685 vs
+  // 23.987 on another H100).
   std::int64_t mma_line_copies_ = 1;
   // Tokens up to which routing and the counting sort run as one kernel (route_bucket_f32, one
   // block) instead of two (REFIT_ROUTE_BUCKET_MAX_TOKENS, at most 256; 0: always two).
